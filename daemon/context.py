@@ -1,0 +1,75 @@
+"""Global options shared by every command, and where state lives."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_CONFIG = Path("/etc/hwtune/hwtune.yaml")
+DEFAULT_PROFILE_DIR = Path("/etc/hwtune/profiles")
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def default_state_dir(sim_path: str | None) -> Path:
+    # A simulated host keeps its journal beside its file, so tests and demos never touch
+    # the real host's state.
+    if sim_path:
+        return Path(str(sim_path) + ".state")
+    if os.environ.get("STATE_DIRECTORY"):  # systemd StateDirectory=
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+    if os.geteuid() == 0:
+        return Path("/var/lib/hwtune")
+    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local/state")) / "hwtune"
+
+
+@dataclass
+class Context:
+    config_path: Path | None
+    state_dir: Path
+    sim_path: Path | None
+    sysfs_root: Path
+    read_only: bool
+    profile_dir: Path
+
+    @staticmethod
+    def add_global_arguments(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("global options")
+        g.add_argument("--config", type=Path, default=None,
+                       help=f"service config file (default {DEFAULT_CONFIG} when present)")
+        g.add_argument("--state-dir", type=Path, default=None,
+                       help="journal, lock and results (default /var/lib/hwtune as root)")
+        g.add_argument("--sim", type=Path, default=None, metavar="HOST.json",
+                       help="use the simulated host kept in this file instead of the real one")
+        g.add_argument("--sysfs-root", type=Path, default=Path(os.environ.get("HWTUNE_SYSFS_ROOT", "/")),
+                       help="root under which /sys is read (for fixture trees)")
+        g.add_argument("--profile-dir", type=Path,
+                       default=Path(os.environ.get("HWTUNE_PROFILE_DIR", DEFAULT_PROFILE_DIR)),
+                       help="user profiles (default /etc/hwtune/profiles)")
+        g.add_argument("--read-only", action="store_true",
+                       help="refuse every write before it happens (also HWTUNE_READ_ONLY=1)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Context":
+        sim = args.sim or (Path(os.environ["HWTUNE_SIM"]) if os.environ.get("HWTUNE_SIM") else None)
+        config = args.config
+        if config is None and DEFAULT_CONFIG.exists():
+            config = DEFAULT_CONFIG
+        return cls(
+            config_path=config,
+            state_dir=args.state_dir or default_state_dir(str(sim) if sim else None),
+            sim_path=sim,
+            sysfs_root=args.sysfs_root,
+            read_only=args.read_only or _truthy(os.environ.get("HWTUNE_READ_ONLY")),
+            profile_dir=args.profile_dir,
+        )
+
+    def open_host(self, bios=None):
+        """The host the hardware loop works on: simulated (--sim) or real (NVML + sysfs)."""
+        from hwtune.host import open_host
+
+        return open_host(sim_path=self.sim_path, sysfs_root=self.sysfs_root,
+                         read_only=self.read_only, bios=bios)
