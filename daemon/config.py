@@ -1,0 +1,201 @@
+"""The service config (default /etc/hwtune/hwtune.yaml), validated once into frozen objects.
+
+The file drives root actions (which profile is applied, what runs as the agent user), so it
+must be owned by root and writable by nobody else; `load_config` refuses it otherwise.
+
+    profile: throughput
+    poll_interval_s: 5
+    rollback: on_exit            # on_exit | never  (like tuned's not_on_exit)
+    reapply_min_interval_s: 60
+    metrics: {enabled: true, address: 127.0.0.1, port: 9835}
+    dispatch_table: /var/lib/hwtune/dispatch.json
+    agent_user: nobody
+    thermal: {max_temperature_c: 87}
+    restore_on: [thermal, power_brake, xid]
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import stat
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hwtune.errors import UsageError
+
+DEFAULT_CONFIG_PATH = Path("/etc/hwtune/hwtune.yaml")
+ROLLBACK_POLICIES = ("on_exit", "never")
+RESTORE_EVENTS = ("thermal", "power_brake", "xid")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = True
+    address: str = "127.0.0.1"
+    port: int = 9835
+
+
+@dataclass(frozen=True)
+class ThermalConfig:
+    max_temperature_c: float = 87
+
+
+@dataclass(frozen=True)
+class Config:
+    profile: str | None = None
+    poll_interval_s: float = 5
+    rollback: str = "on_exit"
+    reapply_min_interval_s: float = 60
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    dispatch_table: Path | None = None
+    agent_user: str = "nobody"
+    thermal: ThermalConfig = field(default_factory=ThermalConfig)
+    restore_on: tuple[str, ...] = RESTORE_EVENTS
+    source: str = "<defaults>"
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<config>") -> "Config":
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise UsageError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+        top = {"profile", "poll_interval_s", "rollback", "reapply_min_interval_s", "metrics",
+               "dispatch_table", "agent_user", "thermal", "restore_on"}
+        _reject_unknown(data, top, source, "")
+
+        profile = data.get("profile")
+        if profile is not None and (not isinstance(profile, str) or not profile.strip()):
+            raise UsageError(f"{source}: profile: expected a profile name or path, got {profile!r}")
+
+        rollback = data.get("rollback", "on_exit")
+        if rollback not in ROLLBACK_POLICIES:
+            raise UsageError(f"{source}: rollback: {rollback!r} is not one of {', '.join(ROLLBACK_POLICIES)}"
+                             + _did_you_mean(str(rollback), ROLLBACK_POLICIES))
+
+        metrics_raw = data.get("metrics") or {}
+        if not isinstance(metrics_raw, dict):
+            raise UsageError(f"{source}: metrics: expected a mapping, got {metrics_raw!r}")
+        _reject_unknown(metrics_raw, {"enabled", "address", "port"}, source, "metrics.")
+        port = metrics_raw.get("port", 9835)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise UsageError(f"{source}: metrics.port: expected an integer in 0..65535, got {port!r}")
+        address = metrics_raw.get("address", "127.0.0.1")
+        if not isinstance(address, str) or not address:
+            raise UsageError(f"{source}: metrics.address: expected a host address, got {address!r}")
+        metrics = MetricsConfig(enabled=_bool(metrics_raw.get("enabled", True), source, "metrics.enabled"),
+                                address=address, port=port)
+
+        thermal_raw = data.get("thermal") or {}
+        if not isinstance(thermal_raw, dict):
+            raise UsageError(f"{source}: thermal: expected a mapping, got {thermal_raw!r}")
+        _reject_unknown(thermal_raw, {"max_temperature_c"}, source, "thermal.")
+        thermal = ThermalConfig(max_temperature_c=_number(
+            thermal_raw.get("max_temperature_c", 87), source, "thermal.max_temperature_c", 1, 150))
+
+        restore_on = data.get("restore_on", list(RESTORE_EVENTS))
+        if not isinstance(restore_on, list):
+            raise UsageError(f"{source}: restore_on: expected a list of {', '.join(RESTORE_EVENTS)}, "
+                             f"got {restore_on!r}")
+        for event in restore_on:
+            if event not in RESTORE_EVENTS:
+                raise UsageError(f"{source}: restore_on: unknown event {event!r} "
+                                 f"(known: {', '.join(RESTORE_EVENTS)})" + _did_you_mean(str(event), RESTORE_EVENTS))
+
+        dispatch = data.get("dispatch_table")
+        if dispatch is not None and not isinstance(dispatch, str):
+            raise UsageError(f"{source}: dispatch_table: expected a file path, got {dispatch!r}")
+
+        agent_user = data.get("agent_user", "nobody")
+        if not isinstance(agent_user, str) or not agent_user:
+            raise UsageError(f"{source}: agent_user: expected a user name, got {agent_user!r}")
+        if agent_user == "root":
+            # The external agent proposer runs arbitrary generated code; never as root.
+            raise UsageError(f"{source}: agent_user: must be an unprivileged user, not root")
+
+        return cls(
+            profile=profile,
+            poll_interval_s=_number(data.get("poll_interval_s", 5), source, "poll_interval_s", 0.05, 3600),
+            rollback=rollback,
+            reapply_min_interval_s=_number(data.get("reapply_min_interval_s", 60), source,
+                                           "reapply_min_interval_s", 0, 86400),
+            metrics=metrics,
+            dispatch_table=Path(dispatch) if dispatch else None,
+            agent_user=agent_user,
+            thermal=thermal,
+            restore_on=tuple(dict.fromkeys(restore_on)),
+            source=source,
+        )
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["dispatch_table"] = str(self.dispatch_table) if self.dispatch_table else None
+        out["restore_on"] = list(self.restore_on)
+        return out
+
+
+def _did_you_mean(word: str, known) -> str:
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _reject_unknown(data: dict, known: set[str], source: str, prefix: str) -> None:
+    for key in data:
+        if key not in known:
+            raise UsageError(f"{source}: {prefix}{key}: unknown key" + _did_you_mean(str(key), sorted(known))
+                             + f"; known keys: {', '.join(sorted(known))}")
+
+
+def _bool(value: Any, source: str, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise UsageError(f"{source}: {key}: expected true or false, got {value!r}")
+    return value
+
+
+def _number(value: Any, source: str, key: str, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"{source}: {key}: expected a number, got {value!r}")
+    if not lo <= value <= hi:
+        raise UsageError(f"{source}: {key}={value}: outside {lo:g}..{hi:g}")
+    return value
+
+
+def check_secure(path: Path, st: os.stat_result) -> None:
+    """Refuse a config that someone other than root could have written."""
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != 0:
+        raise UsageError(f"{path}: refusing the config: owned by uid {st.st_uid}, must be owned by root "
+                         f"(it drives root actions; chown root {path})")
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UsageError(f"{path}: refusing the config: mode {mode:04o} is group- or world-writable "
+                         f"(it drives root actions; chmod go-w {path})")
+
+
+def load_config(path: Path | str | None = None, require_secure: bool = True) -> Config:
+    """Read and validate the service config. `path=None` reads the default file when it
+    exists and otherwise returns the defaults."""
+    if path is None:
+        if not DEFAULT_CONFIG_PATH.exists():
+            return Config()
+        path = DEFAULT_CONFIG_PATH
+    path = Path(path)
+    try:
+        # Check the mode of the file actually read (fstat on the open descriptor), not of
+        # whatever the path points at a moment later.
+        with open(path, "rb") as fh:
+            if require_secure:
+                check_secure(path, os.fstat(fh.fileno()))
+            text = fh.read().decode("utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: cannot read the config: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise UsageError(f"{where}: malformed YAML: {getattr(exc, 'problem', exc)}") from None
+    return Config.from_dict(data, source=str(path))
