@@ -1,0 +1,182 @@
+"""SQLite ledger: every attempt is a row, kept or not.
+
+One row per (candidate, shape): kernel, dtype, shape, the candidate (template params as JSON
+and/or the source file's hash), the verdict (accepted, guard, reason), candidate / stock
+times and noise band, the device fingerprint and the code version the numbers came from.
+`--resume` skips a (kernel, dtype, shape, source hash, params, fingerprint, code version)
+already in the ledger. Non-finite times are stored as NULL and read back as inf.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# What a measurement depends on besides the candidate: the verifier/timer and the specs.
+MEASURED_BY = ("harness", "specs")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS attempts (
+    id INTEGER PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    kernel TEXT NOT NULL,
+    dtype TEXT NOT NULL,
+    shape TEXT NOT NULL,
+    strategy TEXT NOT NULL,
+    source TEXT NOT NULL,
+    source_hash TEXT NOT NULL,
+    params TEXT NOT NULL,
+    accepted INTEGER NOT NULL,
+    guard TEXT,
+    reason TEXT,
+    candidate_ms REAL,
+    stock_ms REAL,
+    noise_band REAL,
+    flops REAL,
+    bytes REAL,
+    fingerprint TEXT NOT NULL,
+    fingerprint_json TEXT NOT NULL,
+    code_version TEXT NOT NULL,
+    git_describe TEXT,
+    started_at REAL NOT NULL,
+    finished_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS attempts_identity
+    ON attempts (kernel, dtype, shape, source_hash, params, fingerprint, code_version);
+"""
+
+COLUMNS = ("run_id", "kernel", "dtype", "shape", "strategy", "source", "source_hash", "params",
+           "accepted", "guard", "reason", "candidate_ms", "stock_ms", "noise_band", "flops",
+           "bytes", "fingerprint", "fingerprint_json", "code_version", "git_describe",
+           "started_at", "finished_at")
+
+
+def canonical(value) -> str:
+    return json.dumps(value if value is not None else {}, sort_keys=True, separators=(",", ":"))
+
+
+def file_hash(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def code_version(package_dir: Path = PACKAGE_DIR) -> str:
+    """Hash of the harness and spec sources: a change there makes old timings incomparable."""
+    h = hashlib.sha256()
+    for sub in MEASURED_BY:
+        for path in sorted((package_dir / sub).rglob("*.py")):
+            h.update(str(path.relative_to(package_dir)).encode())
+            h.update(path.read_bytes())
+    return "ks-" + h.hexdigest()[:12]
+
+
+def git_describe(repo_dir: Path = PACKAGE_DIR.parent) -> str:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=repo_dir,
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def _db_float(x):
+    return float(x) if x is not None and math.isfinite(float(x)) else None
+
+
+def _py_float(x):
+    return math.inf if x is None else float(x)
+
+
+class Ledger:
+    def __init__(self, path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(self.path), timeout=30)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def record(self, rows: list[dict]) -> None:
+        """Append attempts in one transaction. Each row needs every column but `id`."""
+        now = time.time()
+        values = []
+        for r in rows:
+            r = dict(r)
+            r.setdefault("started_at", now)
+            r.setdefault("finished_at", now)
+            r.setdefault("git_describe", None)
+            r["shape"] = canonical(r["shape"])
+            r["params"] = canonical(r["params"])
+            r["fingerprint_json"] = canonical(r["fingerprint_json"])
+            r["accepted"] = int(bool(r["accepted"]))
+            for f in ("candidate_ms", "stock_ms", "noise_band", "flops", "bytes"):
+                r[f] = _db_float(r.get(f))
+            values.append(tuple(r[c] for c in COLUMNS))
+        with self.db:
+            self.db.executemany(
+                f"INSERT INTO attempts ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
+                values)
+
+    def lookup(self, *, kernel, dtype, shape, source_hash, params, fingerprint, code_version) -> dict | None:
+        """The latest attempt with this identity, or None (what --resume skips)."""
+        row = self.db.execute(
+            "SELECT * FROM attempts WHERE kernel=? AND dtype=? AND shape=? AND source_hash=? "
+            "AND params=? AND fingerprint=? AND code_version=? ORDER BY id DESC LIMIT 1",
+            (kernel, dtype, canonical(shape), source_hash, canonical(params), fingerprint,
+             code_version)).fetchone()
+        return _row(row) if row else None
+
+    def attempts(self, kernel=None, fingerprint=None, limit=None) -> list[dict]:
+        where, args = _filters(kernel, fingerprint)
+        sql = f"SELECT * FROM attempts {where} ORDER BY id"
+        if limit:
+            sql = f"SELECT * FROM ({sql.replace('ORDER BY id', 'ORDER BY id DESC')} LIMIT {int(limit)}) ORDER BY id"
+        return [_row(r) for r in self.db.execute(sql, args)]
+
+    def summary(self, kernel=None, fingerprint=None) -> dict:
+        """Counts: total, accepted, rejected per guard, and the commonest reasons per guard."""
+        where, args = _filters(kernel, fingerprint)
+        total, accepted = self.db.execute(
+            f"SELECT COUNT(*), COALESCE(SUM(accepted), 0) FROM attempts {where}", args).fetchone()
+        rej = f"{where} {'AND' if where else 'WHERE'} accepted=0"
+        by_guard = {g or "unknown": n for g, n in self.db.execute(
+            f"SELECT guard, COUNT(*) FROM attempts {rej} GROUP BY guard ORDER BY COUNT(*) DESC", args)}
+        reasons = [{"guard": g or "unknown", "reason": r or "", "count": n} for g, r, n in self.db.execute(
+            f"SELECT guard, substr(reason, 1, 160), COUNT(*) FROM attempts {rej} "
+            f"GROUP BY guard, substr(reason, 1, 160) ORDER BY COUNT(*) DESC LIMIT 20", args)]
+        return {"total": total, "accepted": accepted, "rejected": total - accepted,
+                "by_guard": by_guard, "top_reasons": reasons}
+
+
+def _filters(kernel, fingerprint):
+    clauses, args = [], []
+    if kernel:
+        clauses.append("kernel=?")
+        args.append(kernel)
+    if fingerprint:
+        clauses.append("fingerprint=?")
+        args.append(fingerprint)
+    return ("WHERE " + " AND ".join(clauses) if clauses else ""), args
+
+
+def _row(row: sqlite3.Row) -> dict:
+    d = dict(row)
+    for f in ("shape", "params", "fingerprint_json"):
+        d[f] = json.loads(d[f])
+    d["accepted"] = bool(d["accepted"])
+    for f in ("candidate_ms", "stock_ms"):
+        d[f] = _py_float(d[f])
+    return d

@@ -1,0 +1,74 @@
+"""The ledger keeps every attempt in SQLite and answers resume and summary questions."""
+import math
+import sqlite3
+
+from kernelsearch.ledger import Ledger, code_version
+
+
+def _row(**over):
+    row = dict(run_id="r1", kernel="rmsnorm", dtype="bfloat16", shape={"M": 64, "N": 256},
+               strategy="grid", source="kernelsearch.kernels.rmsnorm", source_hash="abc",
+               params={"BLOCK_N": 256, "num_warps": 4}, accepted=True, guard=None, reason="",
+               candidate_ms=0.010, stock_ms=0.012, noise_band=0.02, flops=1e5, bytes=6.6e4,
+               fingerprint="cpu-1234", fingerprint_json={"device": "cpu"}, code_version="ks-1")
+    row.update(over)
+    return row
+
+
+def _identity(**over):
+    ident = dict(kernel="rmsnorm", dtype="bfloat16", shape={"N": 256, "M": 64}, source_hash="abc",
+                 params={"num_warps": 4, "BLOCK_N": 256}, fingerprint="cpu-1234", code_version="ks-1")
+    ident.update(over)
+    return ident
+
+
+def test_recorded_attempt_survives_reopening_and_is_found_by_identity(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as ledger:
+        ledger.record([_row()])
+    with Ledger(path) as ledger:
+        found = ledger.lookup(**_identity())   # key order of shape/params does not matter
+    assert found and found["candidate_ms"] == 0.010 and found["params"]["BLOCK_N"] == 256
+
+
+def test_resume_does_not_match_another_fingerprint_code_version_or_source(tmp_path):
+    with Ledger(tmp_path / "l.sqlite") as ledger:
+        ledger.record([_row()])
+        assert ledger.lookup(**_identity(fingerprint="nvidia-h200-1")) is None
+        assert ledger.lookup(**_identity(code_version="ks-2")) is None
+        assert ledger.lookup(**_identity(source_hash="def")) is None
+        assert ledger.lookup(**_identity(params={"BLOCK_N": 512, "num_warps": 4})) is None
+
+
+def test_failed_attempt_time_is_stored_as_null_and_read_back_as_inf(tmp_path):
+    path = tmp_path / "l.sqlite"
+    with Ledger(path) as ledger:
+        ledger.record([_row(accepted=False, guard="timeout", reason="killed after 5 s",
+                            candidate_ms=math.inf)])
+        assert ledger.lookup(**_identity())["candidate_ms"] == math.inf
+    raw = sqlite3.connect(path).execute("SELECT candidate_ms, guard FROM attempts").fetchone()
+    assert raw == (None, "timeout")
+
+
+def test_summary_counts_verdicts_per_guard_and_reason(tmp_path):
+    with Ledger(tmp_path / "l.sqlite") as ledger:
+        ledger.record([_row(), _row(params={"BLOCK_N": 512}),
+                       _row(accepted=False, guard="correctness", reason="rel L2 0.3 > 0.01"),
+                       _row(accepted=False, guard="correctness", reason="rel L2 0.3 > 0.01"),
+                       _row(accepted=False, guard="compile", reason="out of resources"),
+                       _row(kernel="softmax", accepted=False, guard="timeout", reason="hang")])
+        s = ledger.summary(kernel="rmsnorm")
+        assert (s["total"], s["accepted"], s["rejected"]) == (5, 2, 3)
+        assert s["by_guard"] == {"correctness": 2, "compile": 1}
+        assert s["top_reasons"][0] == {"guard": "correctness", "reason": "rel L2 0.3 > 0.01", "count": 2}
+        assert ledger.summary()["total"] == 6
+        assert [a["kernel"] for a in ledger.attempts(limit=1)] == ["softmax"]
+
+
+def test_code_version_changes_when_harness_source_changes(tmp_path):
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "harness" / "timing.py").write_text("A = 1\n")
+    before = code_version(tmp_path)
+    (tmp_path / "harness" / "timing.py").write_text("A = 2\n")
+    assert code_version(tmp_path) != before
