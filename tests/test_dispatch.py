@@ -1,0 +1,127 @@
+"""Dispatch uses a tuned kernel only on its own device and shapes; everything else goes to stock.
+
+The tuned path really runs a Triton kernel, under the interpreter in a child process.
+"""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kernelsearch.dispatch import DispatchTable, file_sha256, shape_matches
+from kernelsearch.fingerprint import collect, fingerprint_id
+
+from conftest import ROOT
+
+TUNED_RMSNORM = textwrap.dedent('''
+    import triton
+    import triton.language as tl
+
+    CALLS = []
+
+    @triton.jit
+    def _rmsnorm(x_ptr, w_ptr, out_ptr, N, eps, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+        tl.store(out_ptr + row * N + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+    def launch(x, weight, eps, out, BLOCK_N=128):
+        CALLS.append(BLOCK_N)
+        _rmsnorm[(x.shape[0],)](x, weight, out, x.shape[1], eps, BLOCK_N=BLOCK_N)
+''')
+
+CHILD = textwrap.dedent('''
+    import json, sys
+    import torch
+    from kernelsearch.dispatch import DispatchTable
+    table = DispatchTable.load(sys.argv[1])
+    report = {}
+    for m, n in [(4, 100), (9, 100), (4, 128), (40, 100)]:
+        x = torch.randn(m, n)
+        w = torch.rand(n) + 0.5
+        launch, params, why = table.route("rmsnorm", x, w, 1e-6)
+        out = table.call("rmsnorm", x, w, 1e-6)
+        ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        report[f"{m}x{n}"] = {"why": why, "params": params,
+                              "err": float((out - ref).abs().max())}
+    mods = [m for name, m in sys.modules.items() if name.startswith("hwtune_tuned_")]
+    report["tuned_calls"] = sum(len(m.CALLS) for m in mods)
+    print(json.dumps(report))
+''')
+
+
+@pytest.fixture
+def cpu_fingerprint(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return collect("cpu")
+
+
+def _table(tmp_path, fp, source_hash=None):
+    src = tmp_path / "tuned_rmsnorm.py"
+    src.write_text(TUNED_RMSNORM)
+    entry = {"kernel": "rmsnorm", "dtype": "float32", "source": {"path": str(src)},
+             "source_hash": source_hash or file_sha256(src), "candidate_ms": 0.01,
+             "stock_ms": 0.02, "speedup": 2.0}
+    table = DispatchTable({"format": 1, "fingerprint_id": fingerprint_id(fp), "fingerprint": fp,
+                           "entries": [dict(entry, shape={"M": 4, "N": 100}, params={"BLOCK_N": 128}),
+                                       dict(entry, shape={"M": 8, "N": 100}, range={"M": [5, 16]},
+                                            params={"BLOCK_N": 256})]})
+    return table.save(tmp_path / "dispatch" / f"{fingerprint_id(fp)}.json")
+
+
+def _run_child(table_path):
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(table_path)], cwd=ROOT, text=True,
+                          capture_output=True, timeout=180,
+                          env={"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_tuned_kernel_runs_on_matching_shape_and_stock_elsewhere(tmp_path, cpu_fingerprint):
+    report = _run_child(_table(tmp_path, cpu_fingerprint))
+    assert report["4x100"]["why"] == "tuned" and report["4x100"]["params"] == {"BLOCK_N": 128}
+    assert report["9x100"]["why"] == "tuned" and report["9x100"]["params"] == {"BLOCK_N": 256}  # range
+    assert report["4x128"]["why"] == "no entry for shape"
+    assert report["40x100"]["why"] == "no entry for shape"    # outside the range
+    assert report["tuned_calls"] == 2
+    assert all(r["err"] < 1e-4 for k, r in report.items() if k != "tuned_calls")
+
+
+def test_table_from_another_device_falls_back_to_stock(tmp_path, cpu_fingerprint):
+    other = dict(cpu_fingerprint, cpu="some other CPU")
+    report = _run_child(_table(tmp_path, other))
+    assert {r["why"] for k, r in report.items() if k != "tuned_calls"} == {"fingerprint mismatch"}
+    assert report["tuned_calls"] == 0
+
+
+def test_changed_tuned_source_falls_back_to_stock(tmp_path, cpu_fingerprint):
+    report = _run_child(_table(tmp_path, cpu_fingerprint, source_hash="0" * 16))
+    assert report["4x100"]["why"] == "tuned source missing or changed"
+    assert report["tuned_calls"] == 0
+
+
+def test_exact_entry_wins_over_range_and_range_needs_other_dims_equal():
+    ranged = {"shape": {"M": 16, "K": 4096, "N": 4096}, "range": {"M": [1, 16]}}
+    assert shape_matches(ranged, {"M": 3, "K": 4096, "N": 4096})
+    assert not shape_matches(ranged, {"M": 3, "K": 4096, "N": 1024})
+    assert not shape_matches(ranged, {"M": 17, "K": 4096, "N": 4096})
+    table = DispatchTable({"format": 1, "entries": [
+        dict(ranged, kernel="matmul", dtype="bfloat16", params={"SPLIT_K": 4}),
+        {"kernel": "matmul", "dtype": "bfloat16", "shape": {"M": 3, "K": 4096, "N": 4096},
+         "params": {"SPLIT_K": 8}}]})
+    assert table.lookup("matmul", {"M": 3, "K": 4096, "N": 4096}, "bfloat16")["params"] == {"SPLIT_K": 8}
+    assert table.lookup("matmul", {"M": 3, "K": 4096, "N": 4096}, "float16") is None
+
+
+def test_dispatch_module_imports_no_search_machinery():
+    code = ("import sys, kernelsearch.dispatch; "
+            "bad = [m for m in ('optuna', 'sqlite3', 'kernelsearch.harness', 'kernelsearch.search', "
+            "'kernelsearch.ledger', 'kernelsearch.proposers') if m in sys.modules]; print(bad)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True,
+                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.stdout.strip() == "[]", proc.stderr
