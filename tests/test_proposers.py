@@ -80,3 +80,12 @@ def test_failed_points_are_recorded_but_never_chosen_as_best(name):
 def test_grid_under_a_small_budget_spreads_over_the_space():
     trials = REGISTRY["grid"](SPACE, Replay(), 10, random.Random(0))
     assert len({t.params["BLOCK_N"] for t in trials}) >= 4
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_points_the_template_refuses_are_never_measured(name):
+    def allowed(p):
+        return not (p["ROWS"] == 8 or p["num_warps"] == 16)
+    replay = Replay()
+    trials = REGISTRY[name](SPACE, replay, 30, random.Random(2), allowed=allowed)
+    assert len(trials) == 30 and all(allowed(t.params) for t in trials)

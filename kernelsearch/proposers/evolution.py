@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from kernelsearch.proposers.space import Evaluate, Space, Trial, key, points, run_batch
+from kernelsearch.proposers.space import Allowed, Evaluate, Space, Trial, domain, key, run_batch
 
 POPULATION = 6      # first generation: random points
 PARENTS = 3         # best points that breed each generation
@@ -32,8 +32,9 @@ def _mutate(parent: dict, space: Space, rng: random.Random) -> dict:
     return child
 
 
-def search(space: Space, evaluate: Evaluate, budget: int, rng: random.Random) -> list[Trial]:
-    grid = points(space)
+def search(space: Space, evaluate: Evaluate, budget: int, rng: random.Random,
+           allowed: Allowed = None) -> list[Trial]:
+    grid = domain(space, allowed)
     budget = min(budget, len(grid))
     trials: list[Trial] = []
     seen: set[str] = set()
@@ -53,7 +54,8 @@ def search(space: Space, evaluate: Evaluate, budget: int, rng: random.Random) ->
         while len(batch) < want and tries < 50 * want:
             tries += 1
             child = _mutate(rng.choice(parents), space, rng)
-            if key(child) not in seen and key(child) not in {key(b) for b in batch}:
+            if (key(child) not in seen and key(child) not in {key(b) for b in batch}
+                    and (allowed is None or allowed(child))):
                 batch.append(child)
         if len(batch) < want:  # neighbourhood exhausted: fill from unseen points
             unseen = [p for p in grid if key(p) not in seen and p not in batch]

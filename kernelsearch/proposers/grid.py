@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import random
 
-from kernelsearch.proposers.space import Evaluate, Space, Trial, points, run_batch
+from kernelsearch.proposers.space import Allowed, Evaluate, Space, Trial, domain, run_batch
 
 
-def search(space: Space, evaluate: Evaluate, budget: int, rng: random.Random) -> list[Trial]:
+def search(space: Space, evaluate: Evaluate, budget: int, rng: random.Random,
+           allowed: Allowed = None) -> list[Trial]:
     del rng  # the grid is the same for every seed
-    grid = points(space)
+    grid = domain(space, allowed)
     if budget < len(grid):
         stride = len(grid) / max(budget, 1)
         grid = [grid[int(i * stride)] for i in range(budget)]

@@ -1,6 +1,7 @@
 """Optuna's TPE sampler over the categorical space, one point at a time (ask / tell).
 
-TPE proposes repeats; a repeat is told its known time and costs no budget. A failed point
+TPE proposes repeats and points the template refuses; those cost no budget (a refused point
+is told a failure). A repeat is told its known time and costs no budget. A failed point
 is told a huge finite time: TPE then learns to avoid its region, whereas a FAIL state would
 be ignored and the region proposed again.
 """
@@ -9,16 +10,17 @@ from __future__ import annotations
 import math
 import random
 
-from kernelsearch.proposers.space import Evaluate, Space, Trial, key, run_batch, size
+from kernelsearch.proposers.space import Allowed, Evaluate, Space, Trial, domain, key, run_batch
 
 FAILED_VALUE = 1e30
 
 
-def search(space: Space, evaluate: Evaluate, budget: int, rng: random.Random) -> list[Trial]:
+def search(space: Space, evaluate: Evaluate, budget: int, rng: random.Random,
+           allowed: Allowed = None) -> list[Trial]:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    budget = min(budget, size(space))
+    budget = min(budget, len(domain(space, allowed)))
     sampler = optuna.samplers.TPESampler(seed=rng.randrange(2**31),
                                          n_startup_trials=max(3, min(10, budget // 4)))
     study = optuna.create_study(direction="minimize", sampler=sampler)
@@ -31,6 +33,9 @@ def search(space: Space, evaluate: Evaluate, budget: int, rng: random.Random) ->
         t = study.ask(distributions)
         params = {n: t.params[n] for n in sorted(space)}
         k = key(params)
+        if allowed is not None and not allowed(params):
+            study.tell(t, FAILED_VALUE)  # never measured, never counted against the budget
+            continue
         if k not in known:
             known[k] = run_batch(evaluate, [params], trials)[0]
         value = known[k]

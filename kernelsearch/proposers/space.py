@@ -16,6 +16,7 @@ from typing import Callable
 
 Space = dict[str, list]
 Evaluate = Callable[[list[dict]], list[float]]
+Allowed = Callable[[dict], bool] | None   # a template's validity rule (its CONFIGS); None = all
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,20 @@ def points(space: Space) -> list[dict]:
     """Every point of the space in a fixed order (params sorted by name, values as listed)."""
     names = sorted(space)
     return [dict(zip(names, combo)) for combo in itertools.product(*(space[n] for n in names))]
+
+
+def domain(space: Space, allowed: Allowed = None) -> list[dict]:
+    """The points a strategy may propose: the whole grid, less what `allowed` refuses."""
+    grid = points(space)
+    return [p for p in grid if allowed(p)] if allowed else grid
+
+
+def allowed_from_configs(configs: list[dict] | None) -> Allowed:
+    """A template's CONFIGS as a validity rule (None when the template lists none)."""
+    if not configs:
+        return None
+    keys = {key(c) for c in configs}
+    return lambda p: key(p) in keys
 
 
 def size(space: Space) -> int:
