@@ -1,0 +1,208 @@
+"""hwtune status | plan | apply | verify | rollback: the hardware loop's commands.
+
+Human-readable results go to stdout, progress and reasons to stderr; --json prints one JSON
+document on stdout instead.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+DEFAULT_PROFILE = "throughput"
+
+
+def _emit(data) -> None:
+    json.dump(data, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _add_profile(p) -> None:
+    p.add_argument("-p", "--profile", default=None,
+                   help=f"profile name or YAML path (default: the config's profile, else {DEFAULT_PROFILE})")
+
+
+def _add_json(p) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+
+
+def _profile_name(args, ctx) -> str:
+    if args.profile:
+        return args.profile
+    if ctx.config_path:
+        try:
+            from daemon.config import load_config
+
+            name = load_config(ctx.config_path, require_secure=False).profile
+            if name:
+                return name
+        except Exception as exc:  # the config's own command reports its errors
+            _log(f"note: config {ctx.config_path} unreadable ({exc}); using profile {DEFAULT_PROFILE}")
+    return DEFAULT_PROFILE
+
+
+def _bios_backend(profile, ctx):
+    """The BMC reader a profile's bios: section asks for (the sim brings its own)."""
+    if profile is None or profile.bios is None or ctx.sim_path:
+        return None
+    try:
+        from hwtune.backends.redfish import bios_from_config
+    except ImportError:
+        _log("note: BIOS backends not available in this build; BIOS not checked")
+        return None
+    return bios_from_config(profile.bios, profile.bios.base_dir)
+
+
+def _load(args, ctx):
+    """Profile first (bad input exits 2 before anything is opened), then the host."""
+    from hwtune import profiles
+
+    profile = profiles.load(_profile_name(args, ctx), ctx.profile_dir)
+    host = ctx.open_host(bios=_bios_backend(profile, ctx))
+    if host.kind == "sim":
+        _log(f"simulated host {ctx.sim_path}")
+    return profile, host
+
+
+# --- status ------------------------------------------------------------------------------
+def add_status_arguments(p) -> None:
+    _add_json(p)
+
+
+def _print_status(s: dict) -> None:
+    print(f"host: {s['host']['kind']}{' (read-only)' if s['host']['read_only'] else ''}")
+    if s.get("gpu_error"):
+        print(f"gpus: none ({s['gpu_error']})")
+    for g in s["gpus"]:
+        t = g.get("telemetry") or {}
+        print(f"{g['target']} {g.get('name')} {g.get('pci_bus_id')}: persistence={g['persistence_mode']} "
+              f"power_limit_w={g['power_limit_w']} (range {g['power_limit_constraints_w']}, default "
+              f"{g['power_limit_default_w']}) sm_clock_mhz={g['sm_clock_mhz']} memory_clock_mhz={g['memory_clock_mhz']} "
+              f"| {t.get('temperature_c')} C {t.get('power_w')} W sm {t.get('sm_clock_mhz')} MHz")
+        for e in g.get("errors", []):
+            print(f"  ! {e}")
+    for f in s["pcie"]:
+        if "bdf" not in f:
+            print(f"pcie: {f.get('error')}")
+            continue
+        extra = f" ! {f['error']}" if f.get("error") else ""
+        print(f"{f['target']} {f['vendor']}:{f['device']} class {f['class']} {f.get('link') or ''}: devctl={f['devctl']} "
+              f"relaxed_ordering={f['relaxed_ordering']} max_read_request_bytes={f['max_read_request_bytes']}{extra}")
+    c = s["cpu"]
+    print(f"cpu ({c['cpus']} cpus): governor={c['governor']} of {c['available_governors']} "
+          f"max_cstate_latency_us={c['max_cstate_latency_us']}")
+    if s.get("bios"):
+        print(f"bios ({s['bios']['source']}): {s['bios'].get('attributes') or s['bios'].get('error')}")
+    if s.get("journal"):
+        print(f"journal: {s['journal']}")
+
+
+def run_status(args, ctx) -> int:
+    from hwtune import engine
+
+    host = ctx.open_host()
+    s = engine.status(host, ctx.state_dir)
+    if args.json:
+        _emit(s)
+    else:
+        _print_status(s)
+    return 0
+
+
+# --- plan --------------------------------------------------------------------------------
+def add_plan_arguments(p) -> None:
+    _add_profile(p)
+    _add_json(p)
+
+
+def run_plan(args, ctx) -> int:
+    from hwtune import engine
+
+    profile, host = _load(args, ctx)
+    changes, skipped = engine.plan_report(host, profile, ctx.state_dir)
+    bios = []
+    try:
+        bios = engine.bios_drift(host, profile)
+    except Exception as exc:
+        skipped.append(f"bios: {exc}")
+    pending = engine.pending_journal(ctx.state_dir)
+    if args.json:
+        _emit({"profile": profile.name, "source": profile.source, "changes": [c.to_json() for c in changes],
+               "skipped": skipped, "bios_drift": [c.to_json() for c in bios],
+               "pending_journal": pending is not None})
+        return 0
+    for line in skipped:
+        _log(f"skip {line}")
+    if pending is not None:
+        _log("note: an interrupted apply left a journal; apply will refuse until `hwtune rollback`")
+    print(f"profile {profile.name} ({profile.source}): {len(changes)} change(s)")
+    for c in changes:
+        print(f"  {c}")
+    for c in bios:
+        print(f"  {c}  (BIOS: checked, not written)")
+    return 0
+
+
+# --- apply -------------------------------------------------------------------------------
+def add_apply_arguments(p) -> None:
+    _add_profile(p)
+    _add_json(p)
+
+
+def run_apply(args, ctx) -> int:
+    from hwtune import engine
+
+    profile, host = _load(args, ctx)
+    result = engine.apply(host, profile, ctx.state_dir, _log)
+    try:
+        for c in engine.bios_drift(host, profile):
+            _log(f"bios drift (not written): {c}")
+    except Exception as exc:
+        _log(f"bios: {exc}")
+    if args.json:
+        _emit({"profile": profile.name, **result.to_json()})
+    else:
+        print(f"applied {profile.name}: {len(result.changed)} change(s), {len(result.skipped)} skipped")
+    return 0
+
+
+# --- verify ------------------------------------------------------------------------------
+def add_verify_arguments(p) -> None:
+    _add_profile(p)
+    _add_json(p)
+
+
+def run_verify(args, ctx) -> int:
+    from hwtune import engine
+
+    profile, host = _load(args, ctx)
+    drift = engine.verify(host, profile, ctx.state_dir)
+    if args.json:
+        _emit({"profile": profile.name, "matches": not drift, "drift": [c.to_json() for c in drift]})
+    elif drift:
+        print(f"drift from {profile.name}: {len(drift)}")
+        for c in drift:
+            print(f"  {c.target} {c.knob}: is {c.old}, profile wants {c.new}")
+    else:
+        print(f"host matches {profile.name}")
+    return 1 if drift else 0
+
+
+# --- rollback ----------------------------------------------------------------------------
+def add_rollback_arguments(p) -> None:
+    _add_json(p)
+
+
+def run_rollback(args, ctx) -> int:
+    from hwtune import engine
+
+    host = ctx.open_host()
+    restored = engine.rollback(host, ctx.state_dir, _log)
+    if args.json:
+        _emit({"restored": [c.to_json() for c in restored]})
+    elif restored:
+        print(f"rolled back {len(restored)} value(s)")
+    return 0

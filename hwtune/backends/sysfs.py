@@ -1,0 +1,196 @@
+"""PCIe config space, cpufreq and cpuidle through sysfs under an injectable root.
+
+PCIe: /sys/bus/pci/devices/<BDF>/{vendor,device,class,config}. The PCI Express capability
+(ID 0x10) is found by walking the capability list from the pointer at 0x34; Device Control
+is the 16-bit little-endian word at cap+8 (relaxed ordering = bit 4, max read request =
+bits 14:12 as 128 << n). Writes are read-modify-write of those two bytes (pread/pwrite).
+The kernel shows only the first 64 bytes of `config` to non-root readers, which holds no
+capability: that case gets its own message.
+
+CPU: governors via cpu*/cpufreq/scaling_governor. The C-state latency limit is enforced with
+the per-state `disable` files under cpu*/cpuidle/state*/ rather than /dev/cpu_dma_latency:
+the PM QoS request lasts only while a process holds that file open, whereas the disable
+flags persist after hwtune exits and can be journaled and restored one by one.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+from hwtune.errors import HwtuneError, KnobUnavailable
+
+PCI_EXP_CAP_ID = 0x10
+DEVCTL_OFFSET = 8
+LNKSTA_OFFSET = 0x12
+
+
+class ConfigSpaceError(HwtuneError):
+    pass
+
+
+def find_pcie_capability(config: bytes, where: str = "") -> int:
+    """Offset of the PCI Express capability in a config-space image."""
+    if len(config) < 0x40:
+        raise ConfigSpaceError(f"{where}: config space is {len(config)} bytes, need at least 64")
+    status = int.from_bytes(config[6:8], "little")
+    if not status & 0x10:
+        raise ConfigSpaceError(f"{where}: no capability list (status register bit 4 clear)")
+    ptr = config[0x34] & 0xFC
+    seen = set()
+    while ptr:
+        if ptr in seen or len(seen) > 48:
+            raise ConfigSpaceError(f"{where}: capability list loops at 0x{ptr:02x}")
+        seen.add(ptr)
+        if ptr + 1 >= len(config):
+            if len(config) <= 64:
+                raise ConfigSpaceError(
+                    f"{where}: config space shows only {len(config)} bytes (the kernel hides the "
+                    "rest from non-root readers; run as root)")
+            raise ConfigSpaceError(f"{where}: capability pointer 0x{ptr:02x} beyond config space")
+        if config[ptr] == PCI_EXP_CAP_ID:
+            return ptr
+        ptr = config[ptr + 1] & 0xFC
+    raise ConfigSpaceError(f"{where}: no PCI Express capability (not a PCIe function)")
+
+
+class SysfsPcie:
+    def __init__(self, root: Path, guard_write: Callable[[str], None]):
+        self.base = Path(root) / "sys/bus/pci/devices"
+        self.guard_write = guard_write
+
+    def _read_attr(self, bdf: str, name: str) -> str:
+        return (self.base / bdf / name).read_text().strip().lower()
+
+    def functions(self) -> list:
+        if not self.base.is_dir():
+            return []
+        out = []
+        for d in sorted(self.base.iterdir()):
+            try:
+                out.append({"bdf": d.name, "vendor": self._read_attr(d.name, "vendor"),
+                            "device": self._read_attr(d.name, "device"),
+                            "class": self._read_attr(d.name, "class")})
+            except OSError:
+                continue
+        return out
+
+    def _config(self, bdf: str) -> bytes:
+        path = self.base / bdf / "config"
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise ConfigSpaceError(f"pcie {bdf}: cannot read {path}: {exc.strerror}") from exc
+
+    def _cap(self, bdf: str) -> int:
+        return find_pcie_capability(self._config(bdf), f"pcie {bdf}")
+
+    def read_devctl(self, bdf: str) -> int:
+        config = self._config(bdf)
+        cap = find_pcie_capability(config, f"pcie {bdf}")
+        return int.from_bytes(config[cap + DEVCTL_OFFSET:cap + DEVCTL_OFFSET + 2], "little")
+
+    def link(self, bdf: str):
+        try:
+            config = self._config(bdf)
+            cap = find_pcie_capability(config, f"pcie {bdf}")
+        except ConfigSpaceError:
+            return None
+        if cap + LNKSTA_OFFSET + 2 > len(config):
+            return None
+        lnksta = int.from_bytes(config[cap + LNKSTA_OFFSET:cap + LNKSTA_OFFSET + 2], "little")
+        return f"gen{lnksta & 0xF} x{(lnksta >> 4) & 0x3F}"
+
+    def update_devctl(self, bdf: str, mask: int, bits: int) -> None:
+        target = f"pcie:{bdf}"
+        self.guard_write(f"{target} set_devctl")
+        offset = self._cap(bdf) + DEVCTL_OFFSET
+        path = self.base / bdf / "config"
+        try:
+            fd = os.open(str(path), os.O_RDWR)
+        except PermissionError:
+            raise KnobUnavailable(target, "devctl", "NoPermission (config space is writable by root only)") from None
+        try:
+            old = int.from_bytes(os.pread(fd, 2, offset), "little")
+            new = (old & ~mask & 0xFFFF) | (bits & mask)
+            if os.pwrite(fd, new.to_bytes(2, "little"), offset) != 2:
+                raise HwtuneError(f"{target}: short write of DevCtl at 0x{offset:x}")
+        except OSError as exc:
+            if exc.errno in (errno.EPERM, errno.EACCES):
+                raise KnobUnavailable(target, "devctl", "NoPermission") from None
+            raise HwtuneError(f"{target}: DevCtl write at 0x{offset:x} failed: {exc.strerror}") from exc
+        finally:
+            os.close(fd)
+
+
+def _natural(name: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+class SysfsCpu:
+    def __init__(self, root: Path, guard_write: Callable[[str], None]):
+        self.base = Path(root) / "sys/devices/system/cpu"
+        self.guard_write = guard_write
+
+    def _cpu_dirs(self) -> list:
+        if not self.base.is_dir():
+            return []
+        return sorted((d for d in self.base.iterdir() if re.fullmatch(r"cpu\d+", d.name)),
+                      key=lambda d: int(d.name[3:]))
+
+    def governors(self) -> dict:
+        out = {}
+        for d in self._cpu_dirs():
+            f = d / "cpufreq/scaling_governor"
+            if f.exists():
+                out[d.name] = f.read_text().strip()
+        return out
+
+    def available_governors(self):
+        sets = []
+        for d in self._cpu_dirs():
+            f = d / "cpufreq/scaling_available_governors"
+            if f.exists():
+                sets.append(f.read_text().split())
+        if not sets:
+            return None
+        common = set(sets[0]).intersection(*sets[1:])
+        return [g for g in sets[0] if g in common]
+
+    def _write(self, path: Path, text: str, target: str, op: str) -> None:
+        try:
+            path.write_text(text)
+        except PermissionError:
+            raise KnobUnavailable(target, op, f"NoPermission ({path})") from None
+        except OSError as exc:
+            raise HwtuneError(f"{target} {op}: writing {path} failed: {exc.strerror}") from exc
+
+    def set_governors(self, mapping: dict) -> None:
+        self.guard_write("cpu set_governor")
+        for cpu, gov in mapping.items():
+            self._write(self.base / cpu / "cpufreq/scaling_governor", gov, "cpu", "governor")
+
+    def cstates(self) -> list:
+        out = []
+        for d in self._cpu_dirs():
+            idle = d / "cpuidle"
+            if not idle.is_dir():
+                continue
+            for s in sorted((s for s in idle.iterdir() if s.name.startswith("state")), key=lambda s: _natural(s.name)):
+                try:
+                    name = (s / "name").read_text().strip() if (s / "name").exists() else s.name
+                    out.append({"cpu": d.name, "state": s.name, "name": name,
+                                "latency_us": int((s / "latency").read_text()),
+                                "disabled": (s / "disable").read_text().strip() == "1"})
+                except (OSError, ValueError):
+                    continue
+        return out
+
+    def set_cstates_disabled(self, mapping: dict) -> None:
+        self.guard_write("cpu set_cstate_disable")
+        for key, disabled in mapping.items():
+            cpu, state = key.split("/")
+            self._write(self.base / cpu / "cpuidle" / state / "disable", "1" if disabled else "0",
+                        "cpu", "max_cstate_latency_us")

@@ -1,0 +1,93 @@
+"""Knob families and their registry.
+
+A knob family reads, plans and writes a few fields of one kind of target (a GPU, a PCIe
+function, the CPUs). Interface (docs/ARCHITECTURE.md):
+`targets(host, section)`, `read(host, target) -> {field: value}`,
+`desired(host, target, section) -> {field: value}` (validated against what the device
+reports; raises BadValue naming the profile key), `original(host, target, field)` (what the
+journal keeps: for locked clocks always "reset"), `write(host, target, field, value)`,
+`restore(host, target, field, original)`, `same(host, target, field, current, wanted)`.
+"""
+from __future__ import annotations
+
+from hwtune.errors import HwtuneError
+
+
+class BadValue(HwtuneError):
+    """A profile value the device cannot take; `key` is the dotted profile key."""
+
+    exit_code = 2
+
+    def __init__(self, key: str, message: str):
+        self.key, self.message = key, message
+        super().__init__(f"{key}: {message}")
+
+
+class Knob:
+    family = ""
+    section = ""
+    fields: tuple = ()
+
+    def targets(self, host, section) -> list:
+        raise NotImplementedError
+
+    def read(self, host, target: str) -> dict:
+        raise NotImplementedError
+
+    def desired(self, host, target: str, section) -> dict:
+        raise NotImplementedError
+
+    def original(self, host, target: str, field: str):
+        return self.read(host, target)[field]
+
+    def write(self, host, target: str, field: str, value) -> None:
+        raise NotImplementedError
+
+    def restore(self, host, target: str, field: str, original) -> None:
+        self.write(host, target, field, original)
+
+    def same(self, host, target: str, field: str, current, wanted) -> bool:
+        return current == wanted
+
+
+def gpu_index(target: str) -> int:
+    return int(target[3:])
+
+
+def gpu_targets(host, section) -> list:
+    """gpu.select: all | [0, 1] | [GPU-uuid, ...]"""
+    n = host.gpus.count()
+    select = getattr(section, "select", "all") if section is not None else "all"
+    if select == "all":
+        return [f"gpu{i}" for i in range(n)]
+    out = []
+    uuids = None
+    for item in select:
+        if isinstance(item, int):
+            if not 0 <= item < n:
+                raise BadValue("gpu.select", f"gpu{item}: no such GPU (this host has {n}: 0..{n - 1})")
+            out.append(f"gpu{item}")
+        else:
+            if uuids is None:
+                uuids = {host.gpus.info(i)["uuid"]: i for i in range(n)}
+            if item not in uuids:
+                raise BadValue("gpu.select", f"{item}: no GPU with this UUID")
+            out.append(f"gpu{uuids[item]}")
+    return list(dict.fromkeys(out))
+
+
+from hwtune.knobs.cpu import CpuKnob  # noqa: E402
+from hwtune.knobs.gpu_clocks import GpuClocksKnob  # noqa: E402
+from hwtune.knobs.gpu_power import GpuPowerKnob  # noqa: E402
+from hwtune.knobs.pcie import PcieKnob  # noqa: E402
+from hwtune.knobs.persistence import PersistenceKnob  # noqa: E402
+
+# family -> class, in apply order within a section. BIOS is checked, never written, so it is
+# not here: see hwtune.knobs.bios.check.
+KNOBS: dict[str, type] = {
+    "persistence": PersistenceKnob,
+    "gpu_power": GpuPowerKnob,
+    "gpu_clocks": GpuClocksKnob,
+    "pcie": PcieKnob,
+    "cpu": CpuKnob,
+}
