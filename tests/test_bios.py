@@ -6,6 +6,7 @@ import pytest
 
 from hwtune.backends.redfish import BiosError, RedfishBios, bios_from_config
 from hwtune.backends.vendor import IloRestBios, RacadmBios, parse_racadm, racadm_groups
+from hwtune.engine import Change
 from hwtune.errors import UsageError
 from hwtune.knobs.bios import check, read_and_check
 from tests.redfish_server import MOCKUP, redfish_server  # noqa: F401  (fixture)
@@ -40,8 +41,9 @@ def test_mismatching_expect_lists_each_difference_old_to_new(redfish_server):
               "ProcHyperthreading": "Disabled"}
     changes = read_and_check(bios, expect)
     assert [c.to_json() for c in changes] == [
-        {"target": "bios", "knob": "PowerProfile", "old": "MaxPerf", "new": "PerfPerWattOptimizedOs"},
-        {"target": "bios", "knob": "ProcHyperthreading", "old": "Enabled", "new": "Disabled"},
+        {"target": "bios", "knob": "PowerProfile", "old": "MaxPerf", "new": "PerfPerWattOptimizedOs",
+         "family": "bios"},
+        {"target": "bios", "knob": "ProcHyperthreading", "old": "Enabled", "new": "Disabled", "family": "bios"},
     ]
 
 
@@ -97,7 +99,10 @@ def test_bios_from_config_rejects_bad_sections():
 def test_attribute_the_bmc_does_not_report_is_a_mismatch_with_did_you_mean():
     changes = check({"procTurboMode": "Enabled", "SriovGlobalEnable": "Enabled"}, mockup_attributes())
     assert changes[0].to_json() == {"target": "bios", "knob": "procTurboMode", "old": None, "new": "Enabled",
+                                    "family": "bios",
                                     "note": "not reported by the BMC; did you mean 'ProcTurboMode'?"}
+    assert isinstance(changes[0], Change)
+    assert str(changes[0]).startswith("bios procTurboMode: None -> Enabled (not reported")
     assert changes[1].old is None and changes[1].note == "not reported by the BMC"
 
 
@@ -204,3 +209,19 @@ def test_failing_vendor_tool_reports_its_exit_status(tmp_path):
     fake.chmod(0o755)
     with pytest.raises(BiosError, match=r"exited 3: No session found"):
         IloRestBios(command=[str(fake)]).attributes()
+
+
+def test_a_loaded_profile_bios_section_builds_a_working_reader(redfish_server, tmp_path):
+    from hwtune import profiles
+
+    (tmp_path / "bmc.yaml").write_text("username: admin\npassword: secret\n")
+    (tmp_path / "bmc.yaml").chmod(0o600)
+    path = tmp_path / "mine.yaml"
+    path.write_text(f"bios:\n  source: redfish\n  endpoint: {redfish_server.url}\n"
+                    f"  credentials_file: bmc.yaml\n  verify_tls: false\n"
+                    f"  expect: {{PowerProfile: MaxPerf, ProcTurboMode: Disabled}}\n")
+    profile = profiles.load(str(path))
+    bios = bios_from_config(profile.bios, profile.bios.base_dir)
+    assert bios.username == "admin" and bios.verify_tls is False
+    changes = check(dict(profile.bios.expect), bios.attributes())
+    assert [(c.knob, c.old, c.new) for c in changes] == [("ProcTurboMode", "Enabled", "Disabled")]

@@ -18,7 +18,7 @@ from hwtune.errors import HwtuneError, UsageError
 
 BIOS_SOURCES = ("redfish", "racadm", "ilorest")
 # Keys a profile's `bios:` section may carry (the profile loader can reuse this list).
-BIOS_SECTION_KEYS = ("source", "endpoint", "credentials_file", "system_id", "command", "expect")
+BIOS_SECTION_KEYS = ("source", "endpoint", "credentials_file", "system_id", "command", "expect", "verify_tls")
 
 
 class BiosError(HwtuneError):
@@ -147,6 +147,15 @@ def read_credentials(path: Path) -> dict[str, Any]:
     return {"username": data.get("username"), "password": data.get("password"), "verify_tls": verify}
 
 
+def _verify_value(value: Any) -> bool | str:
+    # true/false, or a CA bundle path; profiles may spell the booleans as text.
+    if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "false", "no", "off"):
+        return value.strip().lower() in ("true", "yes", "on")
+    if not isinstance(value, (bool, str)):
+        raise UsageError(f"bios.verify_tls={value!r}: expected true, false or a CA bundle path")
+    return value
+
+
 def bios_from_config(section: Any, base_dir: Path | str | None = None):
     """Build the BIOS backend a profile's `bios:` section asks for. `section` is a mapping
     (or an object with the same attributes); a relative credentials_file is taken from
@@ -182,5 +191,8 @@ def bios_from_config(section: Any, base_dir: Path | str | None = None):
         if not path.is_absolute() and base_dir is not None:
             path = Path(base_dir) / path
         creds = read_credentials(path)
+    if get("verify_tls") is not None:
+        # The profile may pin it per BMC; it wins over the credentials file.
+        creds["verify_tls"] = _verify_value(get("verify_tls"))
     return RedfishBios(str(endpoint), creds["username"], creds["password"],
                        system_id=get("system_id"), verify_tls=creds["verify_tls"])

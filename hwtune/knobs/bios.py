@@ -9,31 +9,29 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from hwtune.engine import Change
+
 # YAML 1.1 reads `On`, `Yes`, `Off`, `No` as booleans, so `ProcTurboMode: On` in a profile
 # arrives as True; a BIOS that reports the string "On" matches it.
 _TRUE_WORDS = {"true", "yes", "on"}
 _FALSE_WORDS = {"false", "no", "off"}
 
 
-@dataclass(frozen=True)
-class Change:
-    """Same fields as hwtune.engine's Change (target, knob, old, new), plus `note` for why a
-    mismatch is reported the way it is."""
+@dataclass
+class BiosChange(Change):
+    """The engine's Change (target, knob, old, new, family="bios") plus `note`: why a
+    mismatch is reported the way it is (attribute missing, letter case)."""
 
-    target: str
-    knob: str
-    old: Any
-    new: Any
     note: str = ""
 
     def to_json(self) -> dict:
-        out = {"target": self.target, "knob": self.knob, "old": self.old, "new": self.new}
+        out = super().to_json()
         if self.note:
             out["note"] = self.note
         return out
 
     def __str__(self) -> str:
-        text = f"{self.target} {self.knob}: {self.old!r} -> {self.new!r}"
+        text = super().__str__()
         return f"{text} ({self.note})" if self.note else text
 
 
@@ -63,17 +61,17 @@ def _suggestion(name: str, reported: Mapping[str, Any]) -> str:
     return close[0] if close else ""
 
 
-def check(expect: Mapping[str, Any], attributes: Mapping[str, Any], target: str = "bios") -> list[Change]:
+def check(expect: Mapping[str, Any], attributes: Mapping[str, Any], target: str = "bios") -> list[BiosChange]:
     """Mismatches between `expect` and the reported `attributes`, in `expect` order; an empty
     list when the BIOS is as the profile expects."""
-    changes: list[Change] = []
+    changes: list[BiosChange] = []
     for name, wanted in expect.items():
         if name not in attributes:
             hint = _suggestion(name, attributes)
             note = "not reported by the BMC"
             if hint:
                 note += f"; did you mean {hint!r}?"
-            changes.append(Change(target, name, None, wanted, note))
+            changes.append(BiosChange(target, name, None, wanted, "bios", note))
             continue
         actual = attributes[name]
         if same(wanted, actual):
@@ -81,10 +79,10 @@ def check(expect: Mapping[str, Any], attributes: Mapping[str, Any], target: str 
         note = ""
         if _text(wanted).lower() == _text(actual).strip().lower():
             note = "differs only in letter case; BIOS values are case-sensitive"
-        changes.append(Change(target, name, actual, wanted, note))
+        changes.append(BiosChange(target, name, actual, wanted, "bios", note))
     return changes
 
 
-def read_and_check(bios, expect: Mapping[str, Any]) -> list[Change]:
+def read_and_check(bios, expect: Mapping[str, Any]) -> list[BiosChange]:
     """Read a BIOS backend (`.attributes()`) and check it; BiosError propagates with context."""
     return check(expect, bios.attributes(), target="bios")
