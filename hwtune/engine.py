@@ -239,6 +239,9 @@ def _undo(host, items: list, log) -> list:
     for change, value in reversed(items):
         knob = KNOBS[change.family]()
         try:
+            now = knob.read(host, change.target).get(change.knob)
+            if knob.same(host, change.target, change.knob, now, value):
+                continue  # never changed (the failing write did not happen)
             knob.restore(host, change.target, change.knob, value)
             log(f"restored {change.target} {change.knob} = {_fmt(value)}")
         except BaseException as exc:  # keep restoring the rest

@@ -1,8 +1,8 @@
 """Tuning profiles: YAML with `include:` inheritance, validated once into frozen objects.
 
-Lookup of a name: a path if it exists (or ends in .yaml/.yml), else PROFILE_DIR/NAME.yaml,
-else the shipped hwtune/profiles/NAME.yaml. Includes are resolved the same way, relative
-paths from the including file. Includes come first, in order; the including file last: later
+Lookup of a name: a path if it ends in .yaml/.yml or holds a "/", else PROFILE_DIR/NAME.yaml,
+else the shipped hwtune/profiles/NAME.yaml. Includes are resolved the same way, but first
+beside the including file (relative paths too). Includes come first, in order; the including file last: later
 wins, merged key by key inside each section.
 
 Every error names file, line and key; a typo gets a "did you mean". Values the device must
@@ -140,7 +140,7 @@ class Profile:
     def from_dict(data: dict, source: str = "<dict>", profile_dir=None) -> "Profile":
         """Validate plain data (as a YAML file would hold) into a Profile; includes allowed."""
         marks = {}
-        merged = _merge_includes(data, marks, source, Path("."), profile_dir, [source])
+        merged = _merge_includes(data, marks, source, None, profile_dir, [source])
         return _build(merged, marks, source, Path(source).stem if source != "<dict>" else source)
 
 
@@ -187,12 +187,14 @@ def _parse(path: Path, marks: dict) -> dict:
     return data
 
 
-def _find(name: str, base_dir: Path, profile_dir) -> Path | None:
+def _find(name: str, base_dir: Path | None, profile_dir) -> Path | None:
+    """A path, or a bare name looked up beside the including file, in PROFILE_DIR, shipped."""
     p = Path(name)
     if p.suffix in (".yaml", ".yml") or "/" in name:
-        p = p if p.is_absolute() else base_dir / p
+        p = p if p.is_absolute() or base_dir is None else base_dir / p
         return p if p.exists() else (Path(name) if Path(name).exists() else None)
-    for d in ([Path(profile_dir)] if profile_dir else []) + [SHIPPED_DIR]:
+    dirs = [base_dir] if base_dir is not None else []
+    for d in dirs + ([Path(profile_dir)] if profile_dir else []) + [SHIPPED_DIR]:
         cand = d / f"{name}.yaml"
         if cand.exists():
             return cand
@@ -358,7 +360,7 @@ def _check(section: str, key: str, v, fail):
 
 def load(name_or_path: str, profile_dir=None) -> Profile:
     """Load, merge includes and validate a profile by name or path."""
-    path = _find(str(name_or_path), Path("."), profile_dir)
+    path = _find(str(name_or_path), None, profile_dir)
     if path is None:
         raise ProfileError(f"profile {name_or_path!r} not found (looked in {profile_dir or '-'} and the shipped profiles: "
                            f"{', '.join(_known_names(profile_dir))})", str(name_or_path), None, None,
