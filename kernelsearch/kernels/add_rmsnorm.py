@@ -1,0 +1,117 @@
+"""Fused residual add + RMSNorm template.
+
+residual_out = x + residual (rounded to the input dtype, as torch's bf16 add does: the sum is
+formed in fp32 and rounded once), out = rmsnorm(residual_out) * weight. One pass over the
+inputs instead of two kernels; the same tiling parameters as the rmsnorm template (rows per
+program, whole row vs chunks, persistent grid). fp32 accumulation, cast on store.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+SPACE = {
+    "ROWS_PER_PROG": [1, 2, 4, 8],
+    "BLOCK_N": [0, 1024, 4096],        # 0: whole row, padded to a power of two
+    "PROGRAMS_PER_SM": [0, 2, 8],      # 0: one program per row tile (not persistent)
+    "num_warps": [4, 8, 16],
+    "num_stages": [1, 2],
+}
+
+MAX_TILE_ELEMS = 32768
+
+
+def _valid(p: dict) -> bool:
+    if p["BLOCK_N"] and p["ROWS_PER_PROG"] * p["BLOCK_N"] < p["num_warps"] * 32 * 8:
+        return False
+    return p["BLOCK_N"] == 0 or p["ROWS_PER_PROG"] * p["BLOCK_N"] <= MAX_TILE_ELEMS
+
+
+CONFIGS = [p for p in (dict(zip(SPACE, v)) for v in itertools.product(*SPACE.values())) if _valid(p)]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit(do_not_specialize=["M", "num_tiles"])
+def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, M, N,
+                        stride_xm, stride_rm, stride_om, stride_rom, eps, num_tiles,
+                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    row_ids = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    if ONE_PASS:
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    for tile in range(pid, num_tiles, nprog):
+        rows = tile * ROWS + row_ids
+        row_ok = rows < M
+        rows64 = rows.to(tl.int64)[:, None]
+        x_rows = x_ptr + rows64 * stride_xm
+        r_rows = r_ptr + rows64 * stride_rm
+        o_rows = out_ptr + rows64 * stride_om
+        ro_rows = rout_ptr + rows64 * stride_rom
+        if ONE_PASS:
+            mask = row_ok[:, None] & (cols[None, :] < N)
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(r_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            s = (x + r).to(rout_ptr.dtype.element_ty)
+            tl.store(ro_rows + cols[None, :], s, mask=mask)
+            sf = s.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=1) / N + eps)
+            y = sf * rstd[:, None] * w[None, :]
+            tl.store(o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            sq = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                mask = row_ok[:, None] & (c[None, :] < N)
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                r = tl.load(r_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                s = (x + r).to(rout_ptr.dtype.element_ty)
+                tl.store(ro_rows + c[None, :], s, mask=mask)
+                sf = s.to(tl.float32)
+                sq += sf * sf
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / N + eps)
+            # The second pass recomputes the sum from x and residual (L2 hits) rather than
+            # reading residual_out back: another thread of this program may have written it,
+            # and that read would need a barrier to be safe.
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                mask = row_ok[:, None] & (c[None, :] < N)
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                r = tl.load(r_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                sf = (x + r).to(rout_ptr.dtype.element_ty).to(tl.float32)
+                wc = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+                y = sf * rstd[:, None] * wc[None, :]
+                tl.store(o_rows + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch(x, residual, weight, eps, out, residual_out, ROWS_PER_PROG=1, BLOCK_N=0,
+           PROGRAMS_PER_SM=0, num_warps=4, num_stages=1):
+    M, N = x.shape
+    if M == 0 or N == 0:
+        return out, residual_out
+    for t in (x, residual, out, residual_out):
+        if t.stride(1) != 1:
+            raise ValueError("add_rmsnorm template needs unit stride along the last dimension")
+    one_pass = BLOCK_N == 0 or BLOCK_N >= N
+    block_n = triton.next_power_of_2(N) if one_pass else BLOCK_N
+    if ROWS_PER_PROG * block_n > MAX_TILE_ELEMS:
+        raise ValueError(f"tile {ROWS_PER_PROG}x{block_n} exceeds {MAX_TILE_ELEMS} elements")
+    num_tiles = triton.cdiv(M, ROWS_PER_PROG)
+    grid = num_tiles if PROGRAMS_PER_SM == 0 else min(num_tiles, _sm_count(x.device) * PROGRAMS_PER_SM)
+    _add_rmsnorm_kernel[(grid,)](x, residual, weight, out, residual_out, M, N,
+                                 x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
+                                 float(eps), num_tiles,
+                                 ROWS=ROWS_PER_PROG, BLOCK_N=block_n, ONE_PASS=one_pass,
+                                 num_warps=num_warps, num_stages=num_stages)
+    return out, residual_out

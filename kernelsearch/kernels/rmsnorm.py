@@ -1,0 +1,102 @@
+"""RMSNorm template: out = x / sqrt(mean(x^2) + eps) * weight, row-wise over x [M, N].
+
+Why these parameters (measured on an H200, bf16): one row per program reaches 96% of copy
+bandwidth at 32768x8192 but 71% at 4096x4096 and 52% at 16384x3000, because padding a row to
+the next power of two wastes work and too few rows are in flight. So a program handles a tile
+of ROWS_PER_PROG rows; BLOCK_N=0 keeps the whole (padded) row in registers, a positive BLOCK_N
+loops over the row in chunks (two passes; the second pass mostly hits L1/L2); PROGRAMS_PER_SM>0
+launches a persistent grid of SMs x k programs that stride over the row tiles.
+fp32 accumulation, cast on store.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+SPACE = {
+    "ROWS_PER_PROG": [1, 2, 4, 8],
+    "BLOCK_N": [0, 1024, 4096],        # 0: whole row, padded to a power of two
+    "PROGRAMS_PER_SM": [0, 2, 8],      # 0: one program per row tile (not persistent)
+    "num_warps": [4, 8, 16],
+    "num_stages": [1, 2],
+}
+
+# A tile bigger than this spills registers badly (and compiles slowly): refuse it up front.
+MAX_TILE_ELEMS = 32768
+
+
+def _valid(p: dict) -> bool:
+    # A chunk smaller than one 16-byte vector per thread leaves threads idle.
+    if p["BLOCK_N"] and p["ROWS_PER_PROG"] * p["BLOCK_N"] < p["num_warps"] * 32 * 8:
+        return False
+    return p["BLOCK_N"] == 0 or p["ROWS_PER_PROG"] * p["BLOCK_N"] <= MAX_TILE_ELEMS
+
+
+CONFIGS = [p for p in (dict(zip(SPACE, v)) for v in itertools.product(*SPACE.values())) if _valid(p)]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: any small number exercises the persistent loop
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit(do_not_specialize=["M", "num_tiles"])
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_om, eps, num_tiles,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    row_ids = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    if ONE_PASS:
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    for tile in range(pid, num_tiles, nprog):
+        rows = tile * ROWS + row_ids
+        row_ok = rows < M
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+        o_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_om
+        if ONE_PASS:
+            mask = row_ok[:, None] & (cols[None, :] < N)
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+            y = x * rstd[:, None] * w[None, :]
+            tl.store(o_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            sq = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                mask = row_ok[:, None] & (c[None, :] < N)
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                sq += x * x
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / N + eps)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                mask = row_ok[:, None] & (c[None, :] < N)
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                wc = tl.load(w_ptr + c, mask=c < N, other=0.0).to(tl.float32)
+                y = x * rstd[:, None] * wc[None, :]
+                tl.store(o_rows + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch(x, weight, eps, out, ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=0,
+           num_warps=4, num_stages=1):
+    M, N = x.shape
+    if M == 0 or N == 0:
+        return out
+    if x.stride(1) != 1 or out.stride(1) != 1 or weight.stride(0) != 1:
+        raise ValueError("rmsnorm template needs unit stride along the last dimension")
+    one_pass = BLOCK_N == 0 or BLOCK_N >= N
+    block_n = triton.next_power_of_2(N) if one_pass else BLOCK_N
+    if ROWS_PER_PROG * block_n > MAX_TILE_ELEMS:
+        raise ValueError(f"tile {ROWS_PER_PROG}x{block_n} exceeds {MAX_TILE_ELEMS} elements")
+    num_tiles = triton.cdiv(M, ROWS_PER_PROG)
+    grid = num_tiles if PROGRAMS_PER_SM == 0 else min(num_tiles, _sm_count(x.device) * PROGRAMS_PER_SM)
+    _rmsnorm_kernel[(grid,)](x, weight, out, M, N, x.stride(0), out.stride(0), float(eps), num_tiles,
+                             ROWS=ROWS_PER_PROG, BLOCK_N=block_n, ONE_PASS=one_pass,
+                             num_warps=num_warps, num_stages=num_stages)
+    return out

@@ -1,0 +1,205 @@
+"""The built-in Triton templates compute their contract's function for every kind of config.
+
+Each kernel is checked in a child process running this file under the Triton interpreter
+(TRITON_INTERPRET must be set before triton is imported, and other tests import triton without
+it). The child poisons outputs with NaN, compares with an fp64 reference by relative L2 error,
+checks that inputs are unchanged and that two runs give the same bits, and prints one JSON line.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ["rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention"]
+FP32_TOL = 1e-5
+BF16_TOL = 2e-2  # the interpreter rounds fp32 -> bf16 by truncation
+
+
+def _run_child(kernel: str) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__, kernel], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"child for {kernel} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_template_matches_fp64_reference_on_odd_and_tiny_shapes(kernel):
+    report = _run_child(kernel)
+    assert report["cases"] >= 6
+    assert report["failures"] == [], "\n".join(report["failures"])
+
+
+def test_registry_names_a_file_for_every_kernel():
+    from kernelsearch.kernels import TEMPLATES, template_path
+    assert sorted(TEMPLATES) == sorted(KERNELS)
+    for kernel in KERNELS:
+        assert template_path(kernel).is_file()
+    with pytest.raises(KeyError):
+        template_path("nope")
+
+
+# ----------------------------------------------------------------------------- child side
+
+def _rel(out, ref):
+    import torch
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def _rms_ref(x, w, eps):
+    xd = x.double()
+    return xd / (xd.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w.double()
+
+
+def _attn_ref(q, k, v, lens, scale):
+    import torch
+    B, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    out = torch.empty(B, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        n = int(lens[b])
+        kk = k[b, :, :n].double().repeat_interleave(G, 0)
+        vv = v[b, :, :n].double().repeat_interleave(G, 0)
+        s = torch.einsum("hd,hsd->hs", q[b].double(), kk) * scale
+        out[b] = torch.einsum("hs,hsd->hd", torch.softmax(s, -1), vv)
+    return out
+
+
+def _cases(kernel, mod):
+    """(label, inputs dict, make_outputs, call, reference outputs) for each check."""
+    import torch
+    g = torch.Generator().manual_seed(1234)
+
+    def rnd(*shape, dtype=torch.float32, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    if kernel in ("rmsnorm", "add_rmsnorm", "softmax"):
+        shapes = [(1, 37), (5, 300), (3, 1500), (9, 64)]
+        configs = [{}, dict(ROWS_PER_PROG=2, BLOCK_N=256, PROGRAMS_PER_SM=1, num_warps=2),
+                   dict(ROWS_PER_PROG=4, BLOCK_N=1024, PROGRAMS_PER_SM=2, num_warps=4),
+                   dict(ROWS_PER_PROG=8, BLOCK_N=0, PROGRAMS_PER_SM=0)]
+    elif kernel == "matmul":
+        shapes = [(1, 70, 200), (4, 64, 256), (16, 96, 128), (20, 33, 100)]
+        configs = [dict(variant="tiled", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2),
+                   dict(variant="tiled", BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8),
+                   dict(variant="splitk", BLOCK_N=64, BLOCK_K=64, SPLIT_K=1),
+                   dict(variant="splitk", BLOCK_N=32, BLOCK_K=32, SPLIT_K=3),
+                   dict(variant="splitk", BLOCK_N=64, BLOCK_K=16, SPLIT_K=4, FMA=1)]
+    else:
+        shapes = [(2, 4, 2, 50, 16), (1, 6, 2, 130, 24), (3, 2, 2, 33, 32), (1, 8, 1, 16, 8)]
+        configs = [dict(BLOCK_S=16, NUM_SPLITS=1), dict(BLOCK_S=32, NUM_SPLITS=4),
+                   dict(BLOCK_S=16, NUM_SPLITS=64)]
+
+    for shape, params, dtype in itertools.chain(
+            ((s, p, torch.float32) for s in shapes for p in configs),
+            ((shapes[1], p, torch.bfloat16) for p in configs[:2])):
+        if kernel == "matmul" and params.get("FMA") and shape[0] > 4:
+            continue  # FMA tiles for M up to 16 exceed the register budget by design
+        tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+        label = f"{kernel} {shape} {dtype} {params}"
+        if kernel == "rmsnorm":
+            M, N = shape
+            inp = dict(x=rnd(M, N, dtype=dtype, scale=3.0), weight=rnd(N, dtype=dtype), eps=1e-6)
+            outs = dict(out=(M, N))
+            ref = lambda i: dict(out=_rms_ref(i["x"], i["weight"], i["eps"]))
+            call = lambda i, o, p: mod.launch(i["x"], i["weight"], i["eps"], o["out"], **p)
+        elif kernel == "add_rmsnorm":
+            M, N = shape
+            inp = dict(x=rnd(M, N, dtype=dtype), residual=rnd(M, N, dtype=dtype, scale=10.0),
+                       weight=rnd(N, dtype=dtype), eps=1e-6)
+            outs = dict(out=(M, N), residual_out=(M, N))
+
+            def ref(i):
+                s = i["x"].double() + i["residual"].double()
+                return dict(out=_rms_ref(s, i["weight"], i["eps"]), residual_out=s)
+            call = lambda i, o, p: mod.launch(i["x"], i["residual"], i["weight"], i["eps"],
+                                              o["out"], o["residual_out"], **p)
+        elif kernel == "softmax":
+            M, N = shape
+            inp = dict(x=rnd(M, N, dtype=dtype, scale=4.0))
+            outs = dict(out=(M, N))
+            ref = lambda i: dict(out=torch.softmax(i["x"].double(), -1))
+            call = lambda i, o, p: mod.launch(i["x"], o["out"], **p)
+        elif kernel == "matmul":
+            M, N, K = shape
+            inp = dict(a=rnd(M, K, dtype=dtype), b=rnd(K, N, dtype=dtype))
+            outs = dict(out=(M, N))
+            ref = lambda i: dict(out=i["a"].double() @ i["b"].double())
+            call = lambda i, o, p: mod.launch(i["a"], i["b"], o["out"], **p)
+        else:
+            B, Hq, Hkv, S, D = shape
+            lens = torch.randint(1, S + 1, (B,), generator=g, dtype=torch.int32)
+            lens[0] = S
+            inp = dict(q=rnd(B, Hq, D, dtype=dtype), k_cache=rnd(B, Hkv, S, D, dtype=dtype),
+                       v_cache=rnd(B, Hkv, S, D, dtype=dtype), seq_lens=lens, scale=D ** -0.5)
+            outs = dict(out=(B, Hq, D))
+            ref = lambda i: dict(out=_attn_ref(i["q"], i["k_cache"], i["v_cache"], i["seq_lens"],
+                                               i["scale"]))
+            call = lambda i, o, p: mod.launch(i["q"], i["k_cache"], i["v_cache"], i["seq_lens"],
+                                              i["scale"], o["out"], **p)
+        yield label, inp, outs, call, ref(inp), params, dtype, tol
+
+
+def _check_space(mod, failures):
+    import inspect
+    keys = set(mod.SPACE)
+    sig = inspect.signature(mod.launch).parameters
+    for p in mod.CONFIGS:
+        if set(p) != keys:
+            failures.append(f"config {p} does not cover SPACE keys {sorted(keys)}")
+        if not set(p) <= set(sig):
+            failures.append(f"config {p} has keys launch() does not take")
+        if any(p[k] not in mod.SPACE[k] for k in p):
+            failures.append(f"config {p} is outside SPACE")
+    if len({json.dumps(p, sort_keys=True) for p in mod.CONFIGS}) != len(mod.CONFIGS):
+        failures.append("CONFIGS has duplicates")
+    if not mod.CONFIGS:
+        failures.append("CONFIGS is empty")
+
+
+def _child_main(kernel: str) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import torch
+    from kernelsearch.kernels import load_template
+    mod = load_template(kernel)
+    failures: list[str] = []
+    _check_space(mod, failures)
+    n = 0
+    for label, inp, outs, call, ref, params, dtype, tol in _cases(kernel, mod):
+        n += 1
+        before = {k: v.clone() for k, v in inp.items() if isinstance(v, torch.Tensor)}
+        results = []
+        for _ in range(2):
+            o = {k: torch.full(s, float("nan"), dtype=dtype) for k, s in outs.items()}
+            try:
+                call(inp, o, params)
+            except Exception as exc:  # a failure is data: report it with its case
+                failures.append(f"{label}: raised {type(exc).__name__}: {exc}")
+                break
+            results.append(o)
+        if len(results) < 2:
+            continue
+        for k, r in ref.items():
+            err = _rel(results[0][k], r)
+            if not err <= tol:
+                failures.append(f"{label}: {k} relative L2 error {err:.3g} > {tol}")
+            if not torch.equal(results[0][k], results[1][k]):
+                failures.append(f"{label}: {k} differs between two runs")
+        for k, v in before.items():
+            if not torch.equal(v, inp[k]):
+                failures.append(f"{label}: input {k} was modified")
+    print(json.dumps({"kernel": kernel, "cases": n, "failures": failures}))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    _child_main(sys.argv[1])
