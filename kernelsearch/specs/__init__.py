@@ -1,0 +1,25 @@
+"""Kernel specs: one module per kernel, explicit registry SPECS = {name: spec}."""
+from __future__ import annotations
+
+from kernelsearch.specs.base import (DISTRIBUTIONS, DTYPES, KernelSpec, dtype_from_name,
+                                     dtype_name)
+from kernelsearch.specs import add_rmsnorm, decode_attention, matmul, rmsnorm, softmax
+
+SPECS: dict[str, KernelSpec] = {
+    "rmsnorm": rmsnorm.SPEC,
+    "add_rmsnorm": add_rmsnorm.SPEC,
+    "softmax": softmax.SPEC,
+    "matmul": matmul.SPEC,
+    "decode_attention": decode_attention.SPEC,
+}
+
+
+def get_spec(name: str) -> KernelSpec:
+    try:
+        return SPECS[name]
+    except KeyError:
+        raise KeyError(f"unknown kernel {name!r}: expected one of {', '.join(SPECS)}") from None
+
+
+__all__ = ["SPECS", "KernelSpec", "get_spec", "DTYPES", "DISTRIBUTIONS", "dtype_from_name",
+           "dtype_name"]

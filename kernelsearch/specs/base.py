@@ -1,0 +1,142 @@
+"""What every kernel spec shares: dtypes, tolerances, input distributions, the KernelSpec base.
+
+A spec is the fixed metric of the inner loop (like autoresearch's prepare.py): the harness
+reads it, no proposer edits it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+# Relative L2 error bound ||out - ref|| / ||ref|| per row (see harness/compare.py).
+# fp32: far under 1e-3 unless tf32 dots (matmul overrides); bf16 output rounding alone is
+# ~2e-3; fp16 ~3e-4.
+TOLERANCE_REL_L2: dict[torch.dtype, float] = {
+    torch.float32: 1e-4,
+    torch.bfloat16: 1e-2,
+    torch.float16: 2e-3,
+}
+
+# Input distributions, all drawn in fp32 from the harness's generator and then cast.
+# "rows": each row (leading index) gets its own scale, log-uniform in 1e-3..1e3, so a kernel
+# that is only right for unit-scale data, or mixes rows up, fails.
+DISTRIBUTIONS = ("normal", "tiny", "huge", "rows")
+
+
+def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r}: expected one of {', '.join(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+def draw(shape, dist: str, generator: torch.Generator, device) -> torch.Tensor:
+    """fp32 random tensor of `shape` drawn with `dist`; negative values always present."""
+    t = torch.randn(tuple(shape), generator=generator, device=device, dtype=torch.float32)
+    if dist == "normal":
+        return t
+    if dist == "tiny":
+        return t * 1e-3
+    if dist == "huge":
+        return t * 1e3
+    if dist == "rows":
+        lead = (shape[0],) + (1,) * (len(shape) - 1)
+        exps = torch.rand(lead, generator=generator, device=device, dtype=torch.float32) * 6.0 - 3.0
+        return t * torch.pow(10.0, exps)
+    if dist == "wide":
+        return t * 10.0
+    raise ValueError(f"unknown distribution {dist!r}")
+
+
+class KernelSpec:
+    """One kernel's contract. Subclasses set the class attributes and the methods below.
+
+    shape dicts are plain JSON (ints, and optionally "dtype" for a sweep entry pinned to a
+    dtype, e.g. the CPU sweep's bf16 case that exercises upcasting under the interpreter).
+    """
+
+    name: str = ""
+    arg_names: tuple[str, ...] = ()
+    out_names: tuple[str, ...] = ()
+    # first entry is the primary dtype on that device
+    dtypes: dict[str, tuple[str, ...]] = {"cpu": ("float32", "bfloat16"),
+                                          "cuda": ("bfloat16", "float16", "float32")}
+    distributions: tuple[str, ...] = DISTRIBUTIONS
+
+    # --- sweep ------------------------------------------------------------------------
+    def shapes(self, device: str) -> list[dict]:
+        raise NotImplementedError
+
+    def describe(self, shape: dict) -> str:
+        return " ".join(f"{k}={v}" for k, v in shape.items())
+
+    def primary_dtype(self, device: str) -> str:
+        return self.dtypes["cuda" if device.startswith("cuda") else "cpu"][0]
+
+    def distributions_for(self, dtype: torch.dtype) -> tuple[str, ...]:
+        return self.distributions
+
+    # --- tensors ----------------------------------------------------------------------
+    def make_inputs(self, shape: dict, dtype, device, generator: torch.Generator,
+                    dist: str) -> dict:
+        raise NotImplementedError
+
+    def make_outputs(self, shape: dict, dtype, device) -> dict:
+        raise NotImplementedError
+
+    def reference(self, inputs: dict) -> dict:
+        """fp64 outputs, computed on the inputs' device."""
+        raise NotImplementedError
+
+    def stock(self, inputs: dict, outputs: dict) -> None:
+        """The torch / cuBLAS fallback; writes into `outputs`."""
+        raise NotImplementedError
+
+    # --- cost -------------------------------------------------------------------------
+    def flops(self, shape: dict) -> int:
+        raise NotImplementedError
+
+    def bytes(self, shape: dict, dtype) -> int:
+        """Fewest bytes moved: each input read once, each output written once."""
+        raise NotImplementedError
+
+    def tolerance(self, dtype) -> float:
+        return TOLERANCE_REL_L2[dtype_from_name(dtype)]
+
+    def call_args(self, inputs: dict, outputs: dict) -> list:
+        """Positional arguments of the candidate's launch(), in contract order."""
+        return [inputs[n] for n in self.arg_names] + [outputs[n] for n in self.out_names]
+
+
+def itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype_from_name(dtype)).element_size()
+
+
+def rms_norm_fp64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.to(torch.float64)
+    inv = torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x64 * inv * weight.to(torch.float64)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["KernelSpec", "DTYPES", "TOLERANCE_REL_L2", "DISTRIBUTIONS", "draw", "dtype_from_name",
+           "dtype_name", "itemsize", "rms_norm_fp64", "ceil_div", "math"]

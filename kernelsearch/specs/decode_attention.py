@@ -1,0 +1,90 @@
+"""decode_attention (one query token per sequence against a KV cache, GQA):
+`launch(q, k_cache, v_cache, seq_lens, scale, out, **params)`.
+
+q `[B, Hq, D]`; k_cache, v_cache `[B, Hkv, S_max, D]` (contiguous); seq_lens int32 `[B]` on the
+same device, 1 <= seq_lens[b] <= S_max (only the first seq_lens[b] cache positions of
+sequence b are valid: the rest holds garbage the kernel must ignore); scale a Python float
+(usually 1/sqrt(D)); Hq % Hkv == 0 and query head h reads kv head h // (Hq // Hkv);
+out `[B, Hq, D]` like q:
+  out[b, h] = softmax(scale * q[b, h] . k_cache[b, h // G, :L]) @ v_cache[b, h // G, :L],
+  L = seq_lens[b], G = Hq // Hkv. Compute in fp32, store in q's dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernelsearch.specs.base import KernelSpec, draw, itemsize
+
+
+class DecodeAttentionSpec(KernelSpec):
+    name = "decode_attention"
+    arg_names = ("q", "k_cache", "v_cache", "seq_lens", "scale")
+    out_names = ("out",)
+    # 1e3-scaled q and k give scores ~1e6: every kernel degenerates to argmax; "wide" (x10)
+    # keeps the softmax peaked but meaningful.
+    distributions = ("normal", "tiny", "wide", "rows")
+
+    def shapes(self, device: str) -> list[dict]:
+        if device == "cpu":
+            return [{"B": 1, "Hq": 4, "Hkv": 4, "S": 32, "D": 64},
+                    {"B": 3, "Hq": 8, "Hkv": 2, "S": 100, "D": 64},
+                    {"B": 2, "Hq": 4, "Hkv": 1, "S": 257, "D": 32},
+                    {"B": 2, "Hq": 4, "Hkv": 2, "S": 50, "D": 32, "dtype": "bfloat16"}]
+        return [{"B": 1, "Hq": 32, "Hkv": 8, "S": 4096, "D": 128},
+                {"B": 16, "Hq": 32, "Hkv": 8, "S": 8192, "D": 128},
+                {"B": 3, "Hq": 28, "Hkv": 4, "S": 1000, "D": 128},
+                {"B": 4, "Hq": 32, "Hkv": 8, "S": 32768, "D": 128}]
+
+    def make_inputs(self, shape, dtype, device, generator, dist):
+        b, hq, hkv, s, d = shape["B"], shape["Hq"], shape["Hkv"], shape["S"], shape["D"]
+        q = draw((b, hq, d), dist, generator, device).to(dtype)
+        k = draw((b, hkv, s, d), dist, generator, device).to(dtype)
+        v = draw((b, hkv, s, d), dist, generator, device).to(dtype)
+        lens = torch.randint(1, s + 1, (b,), generator=generator, device=device, dtype=torch.int32)
+        lens[0] = s  # the longest context is always exercised
+        return {"q": q, "k_cache": k, "v_cache": v, "seq_lens": lens, "scale": 1.0 / math.sqrt(d)}
+
+    def make_outputs(self, shape, dtype, device):
+        return {"out": torch.empty((shape["B"], shape["Hq"], shape["D"]), dtype=dtype, device=device)}
+
+    def reference(self, inputs):
+        q, k, v = (inputs[n].to(torch.float64) for n in ("q", "k_cache", "v_cache"))
+        b, hq, d = q.shape
+        hkv, s = k.shape[1], k.shape[2]
+        qg = q.view(b, hkv, hq // hkv, d)
+        scores = torch.einsum("bhgd,bhsd->bhgs", qg, k) * inputs["scale"]
+        pos = torch.arange(s, device=q.device)
+        invalid = pos[None, :] >= inputs["seq_lens"].to(q.device).long()[:, None]  # [B, S]
+        scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
+        out = torch.einsum("bhgs,bhsd->bhgd", torch.softmax(scores, dim=-1), v)
+        return {"out": out.reshape(b, hq, d)}
+
+    def stock(self, inputs, outputs):
+        import torch.nn.functional as F
+
+        q, k, v = inputs["q"], inputs["k_cache"], inputs["v_cache"]
+        s = k.shape[2]
+        valid = torch.arange(s, device=q.device)[None, :] < inputs["seq_lens"].long()[:, None]
+        mask = valid[:, None, None, :]  # [B, 1, 1, S], True = attend
+        try:
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask,
+                                               scale=inputs["scale"], enable_gqa=True)
+        except TypeError:  # torch without enable_gqa
+            g = q.shape[1] // k.shape[1]
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), k.repeat_interleave(g, dim=1),
+                                               v.repeat_interleave(g, dim=1), attn_mask=mask,
+                                               scale=inputs["scale"])
+        outputs["out"].copy_(o.squeeze(2))
+
+    def flops(self, shape):
+        # QK^T and PV over the full cache length (S_max bounds the work; sequences are shorter)
+        return 4 * shape["B"] * shape["Hq"] * shape["S"] * shape["D"]
+
+    def bytes(self, shape, dtype):
+        b, hq, hkv, s, d = shape["B"], shape["Hq"], shape["Hkv"], shape["S"], shape["D"]
+        return (2 * b * hq * d + 2 * b * hkv * s * d) * itemsize(dtype) + 4 * b
+
+
+SPEC = DecodeAttentionSpec()

@@ -1,0 +1,51 @@
+"""rmsnorm: `launch(x, weight, eps, out, **params)`.
+
+x `[M, N]` contiguous, weight `[N]`, eps a Python float, out like x.
+out[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * weight, computed in fp32, stored in x's dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernelsearch.specs.base import KernelSpec, draw, itemsize, rms_norm_fp64
+
+EPS = 1e-6
+
+
+class RmsNormSpec(KernelSpec):
+    name = "rmsnorm"
+    arg_names = ("x", "weight", "eps")
+    out_names = ("out",)
+
+    def shapes(self, device: str) -> list[dict]:
+        if device == "cpu":  # Triton interpreter: small, but odd sizes, M=1 and several rows
+            return [{"M": 1, "N": 128}, {"M": 5, "N": 1000}, {"M": 33, "N": 257},
+                    {"M": 4, "N": 3000}, {"M": 3, "N": 130, "dtype": "bfloat16"}]
+        return [{"M": 1, "N": 4096}, {"M": 16, "N": 4096}, {"M": 4096, "N": 4096},
+                {"M": 2049, "N": 5121}, {"M": 16384, "N": 3000}, {"M": 32768, "N": 8192}]
+
+    def make_inputs(self, shape, dtype, device, generator, dist):
+        m, n = shape["M"], shape["N"]
+        x = draw((m, n), dist, generator, device).to(dtype)
+        weight = (1.0 + 0.5 * draw((n,), "normal", generator, device)).to(dtype)
+        return {"x": x, "weight": weight, "eps": EPS}
+
+    def make_outputs(self, shape, dtype, device):
+        return {"out": torch.empty((shape["M"], shape["N"]), dtype=dtype, device=device)}
+
+    def reference(self, inputs):
+        return {"out": rms_norm_fp64(inputs["x"], inputs["weight"], inputs["eps"])}
+
+    def stock(self, inputs, outputs):
+        x = inputs["x"].float()
+        y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + inputs["eps"])
+        outputs["out"].copy_(y * inputs["weight"].float())
+
+    def flops(self, shape):
+        return 4 * shape["M"] * shape["N"]
+
+    def bytes(self, shape, dtype):
+        return (2 * shape["M"] * shape["N"] + shape["N"]) * itemsize(dtype)
+
+
+SPEC = RmsNormSpec()

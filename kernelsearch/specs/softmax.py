@@ -1,0 +1,40 @@
+"""softmax: `launch(x, out, **params)` over the last dimension; x `[M, N]` contiguous, out like x."""
+from __future__ import annotations
+
+import torch
+
+from kernelsearch.specs.base import KernelSpec, draw, itemsize
+
+
+class SoftmaxSpec(KernelSpec):
+    name = "softmax"
+    arg_names = ("x",)
+    out_names = ("out",)
+
+    def shapes(self, device: str) -> list[dict]:
+        if device == "cpu":
+            return [{"M": 1, "N": 128}, {"M": 7, "N": 1000}, {"M": 33, "N": 257},
+                    {"M": 4, "N": 3000}, {"M": 3, "N": 130, "dtype": "bfloat16"}]
+        return [{"M": 1, "N": 4096}, {"M": 16, "N": 32000}, {"M": 4096, "N": 4096},
+                {"M": 1000, "N": 3000}, {"M": 2048, "N": 32000}, {"M": 16384, "N": 8192}]
+
+    def make_inputs(self, shape, dtype, device, generator, dist):
+        return {"x": draw((shape["M"], shape["N"]), dist, generator, device).to(dtype)}
+
+    def make_outputs(self, shape, dtype, device):
+        return {"out": torch.empty((shape["M"], shape["N"]), dtype=dtype, device=device)}
+
+    def reference(self, inputs):
+        return {"out": torch.softmax(inputs["x"].to(torch.float64), dim=-1)}
+
+    def stock(self, inputs, outputs):
+        outputs["out"].copy_(torch.softmax(inputs["x"].float(), dim=-1))
+
+    def flops(self, shape):
+        return 5 * shape["M"] * shape["N"]  # max, sub, exp, sum, div
+
+    def bytes(self, shape, dtype):
+        return 2 * shape["M"] * shape["N"] * itemsize(dtype)
+
+
+SPEC = SoftmaxSpec()

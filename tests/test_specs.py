@@ -1,0 +1,99 @@
+"""Kernel specs: registry, sweeps, references, stock fallback, cost counts."""
+import math
+
+import pytest
+import torch
+
+from kernelsearch.harness import compare
+from kernelsearch.specs import SPECS, dtype_from_name
+
+NAMES = sorted(SPECS)
+
+
+def test_registry_holds_the_five_builtin_kernels():
+    assert set(SPECS) == {"rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cpu_sweep_has_odd_sizes_one_row_and_a_bf16_case(name):
+    shapes = SPECS[name].shapes("cpu")
+    assert any(s.get("dtype") == "bfloat16" for s in shapes)
+    dims = [v for s in shapes for k, v in s.items() if k != "dtype"]
+    assert any(v % 2 == 1 and v > 1 for v in dims)
+    lead = "B" if name == "decode_attention" else "M"
+    assert min(s[lead] for s in shapes) == 1 and max(s[lead] for s in shapes) >= 3
+
+
+def test_cuda_sweeps_include_decode_odd_and_large_shapes():
+    mm = SPECS["matmul"].shapes("cuda")
+    assert {1, 16} <= {s["M"] for s in mm} and any(s["N"] % 2 for s in mm)
+    rms = SPECS["rmsnorm"].shapes("cuda")
+    assert {"M": 32768, "N": 8192} in rms and {"M": 16384, "N": 3000} in rms and {"M": 4096, "N": 4096} in rms
+    assert max(s["S"] for s in SPECS["decode_attention"].shapes("cuda")) >= 32768
+    assert all(SPECS[n].primary_dtype("cuda") == "bfloat16" for n in NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_stock_fallback_matches_the_fp64_reference_on_every_cpu_shape_and_distribution(name):
+    spec = SPECS[name]
+    g = torch.Generator().manual_seed(7)
+    for shape in spec.shapes("cpu"):
+        dims = {k: v for k, v in shape.items() if k != "dtype"}
+        dtype = dtype_from_name(shape.get("dtype", "float32"))
+        for dist in spec.distributions_for(dtype):
+            inputs = spec.make_inputs(dims, dtype, "cpu", g, dist)
+            outputs = spec.make_outputs(dims, dtype, "cpu")
+            spec.stock(inputs, outputs)
+            ref = spec.reference(inputs)
+            for out_name in spec.out_names:
+                err, problem = compare.compare(out_name, outputs[out_name], ref[out_name], spec.tolerance(dtype))
+                assert problem is None, (shape, dist, problem)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_same_seed_draws_the_same_inputs_and_a_new_seed_different_ones(name):
+    spec = SPECS[name]
+    shape = {k: v for k, v in spec.shapes("cpu")[1].items() if k != "dtype"}
+    draw = lambda seed: spec.make_inputs(shape, torch.float32, "cpu", torch.Generator().manual_seed(seed), "normal")
+    a, b, c = draw(1), draw(1), draw(2)
+    first = spec.arg_names[0]
+    assert torch.equal(a[first], b[first]) and not torch.equal(a[first], c[first])
+
+
+def test_flop_and_byte_counts_read_each_input_once_and_write_each_output_once():
+    assert SPECS["matmul"].flops({"M": 2, "K": 3, "N": 5}) == 60
+    assert SPECS["matmul"].bytes({"M": 2, "K": 3, "N": 5}, "bfloat16") == 2 * (6 + 15 + 10)
+    assert SPECS["rmsnorm"].bytes({"M": 4, "N": 8}, "float32") == 4 * (2 * 32 + 8)
+    assert SPECS["add_rmsnorm"].bytes({"M": 4, "N": 8}, "float32") == 4 * (4 * 32 + 8)
+    dec = {"B": 2, "Hq": 8, "Hkv": 2, "S": 16, "D": 4}
+    assert SPECS["decode_attention"].bytes(dec, "bfloat16") == 2 * (2 * 2 * 8 * 4 + 2 * 2 * 2 * 16 * 4) + 8
+
+
+def test_decode_reference_ignores_cache_positions_past_seq_len():
+    spec = SPECS["decode_attention"]
+    shape = {"B": 2, "Hq": 4, "Hkv": 2, "S": 16, "D": 8}
+    inputs = spec.make_inputs(shape, torch.float32, "cpu", torch.Generator().manual_seed(3), "normal")
+    inputs["seq_lens"][1] = 5
+    before = spec.reference(inputs)["out"]
+    inputs["k_cache"][1, :, 5:] = 1e4
+    inputs["v_cache"][1, :, 5:] = -1e4
+    after = spec.reference(inputs)["out"]
+    assert torch.equal(before, after)
+
+
+def test_tolerances_are_tighter_for_wider_dtypes():
+    spec = SPECS["rmsnorm"]
+    assert spec.tolerance("float32") < spec.tolerance("float16") < spec.tolerance("bfloat16") <= 1e-2
+    assert math.isclose(SPECS["matmul"].tolerance("float32"), 2e-3)
+
+
+def test_compare_never_passes_nan_and_names_unwritten_output():
+    ref = torch.ones(3, 4, dtype=torch.float64)
+    out = torch.ones(3, 4)
+    out[2, 1] = float("nan")
+    _, problem = compare.compare("out", out, ref, 1e-2)
+    assert problem.guard == "unwritten_output"
+    out = torch.ones(3, 4)
+    out[0] *= 1e-3  # one wrong row among correct ones
+    _, problem = compare.compare("out", out, ref, 1e-2)
+    assert problem.guard == "correctness" and "row 0" in problem.reason
