@@ -126,7 +126,9 @@ def _pcie_status(host) -> list:
 
 def _cpu_status(host) -> dict:
     errors: list = []
-    values = _safe(errors, "cpu", KNOBS["cpu"]().read, host, "cpu") or {}
+    values = {}
+    for family in ("cpu_governor", "cpu_idle"):
+        values.update(_safe(errors, family, KNOBS[family]().read, host, "cpu") or {})
     govs = _safe(errors, "governors", host.cpu.governors) or {}
     states = _safe(errors, "cstates", host.cpu.cstates) or []
     summary: dict = {}

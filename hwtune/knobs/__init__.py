@@ -76,7 +76,7 @@ def gpu_targets(host, section) -> list:
     return list(dict.fromkeys(out))
 
 
-from hwtune.knobs.cpu import CpuKnob  # noqa: E402
+from hwtune.knobs.cpu import CpuGovernorKnob, CpuIdleKnob  # noqa: E402
 from hwtune.knobs.gpu_clocks import GpuClocksKnob  # noqa: E402
 from hwtune.knobs.gpu_power import GpuPowerKnob  # noqa: E402
 from hwtune.knobs.pcie import PcieKnob  # noqa: E402
@@ -89,5 +89,6 @@ KNOBS: dict[str, type] = {
     "gpu_power": GpuPowerKnob,
     "gpu_clocks": GpuClocksKnob,
     "pcie": PcieKnob,
-    "cpu": CpuKnob,
+    "cpu_governor": CpuGovernorKnob,
+    "cpu_idle": CpuIdleKnob,
 }

@@ -1,4 +1,4 @@
-"""CPU frequency governor and C-state exit-latency limit (one target: "cpu", all CPUs).
+"""CPU frequency governor and C-state exit-latency limit (one target, "cpu": all CPUs).
 
 `governor` reads as one name when every CPU agrees, else as {cpuN: name}; its journaled
 original is always the per-CPU map, so restore is exact.
@@ -16,10 +16,10 @@ def _key(state: dict) -> str:
     return f"{state['cpu']}/{state['state']}"
 
 
-class CpuKnob(Knob):
-    family = "cpu"
+class CpuGovernorKnob(Knob):
+    family = "cpu_governor"
     section = "cpu"
-    fields = ("governor", "max_cstate_latency_us")
+    fields = ("governor",)
 
     def targets(self, host, section):
         return ["cpu"]
@@ -27,39 +27,62 @@ class CpuKnob(Knob):
     def read(self, host, target):
         govs = host.cpu.governors()
         values = set(govs.values())
-        governor = None if not govs else (values.pop() if len(values) == 1 else dict(govs))
-        states = host.cpu.cstates()
-        enabled = [s["latency_us"] for s in states if not s["disabled"]]
-        limit = None if not states else (max(enabled) if enabled else -1)
-        return {"governor": governor, "max_cstate_latency_us": limit}
+        return {"governor": None if not govs else (values.pop() if len(values) == 1 else dict(govs))}
 
     def desired(self, host, target, section):
-        out = {}
-        if section.governor is not None:
-            offered = host.cpu.available_governors()
-            if offered is None:
-                raise KnobUnavailable("cpu", "governor",
-                                      "NotSupported (no cpufreq under /sys/devices/system/cpu/cpu*/cpufreq)")
-            if section.governor not in offered:
-                raise BadValue("cpu.governor",
-                               f"cpu governor={section.governor}: not offered by this CPU (offered: {', '.join(offered)})")
-            out["governor"] = section.governor
-        if section.max_cstate_latency_us is not None:
-            if not host.cpu.cstates():
-                raise KnobUnavailable("cpu", "max_cstate_latency_us",
-                                      "NotSupported (no cpuidle states under /sys/devices/system/cpu/cpu*/cpuidle)")
-            out["max_cstate_latency_us"] = int(section.max_cstate_latency_us)
-        return out
+        if section.governor is None:
+            return {}
+        offered = host.cpu.available_governors()
+        if offered is None:
+            raise KnobUnavailable("cpu", "governor",
+                                  "NotSupported (no cpufreq under /sys/devices/system/cpu/cpu*/cpufreq)")
+        if section.governor not in offered:
+            raise BadValue("cpu.governor",
+                           f"cpu governor={section.governor}: not offered by this CPU (offered: {', '.join(offered)})")
+        return {"governor": section.governor}
 
     def original(self, host, target, field):
-        if field == "governor":
-            return host.cpu.governors()
+        return host.cpu.governors()
+
+    def write(self, host, target, field, value):
+        host.cpu.set_governors({cpu: value for cpu in host.cpu.governors()})
+
+    def restore(self, host, target, field, original):
+        if isinstance(original, str):
+            original = {cpu: original for cpu in host.cpu.governors()}
+        host.cpu.set_governors(original)
+
+    def same(self, host, target, field, current, wanted):
+        if isinstance(wanted, dict):  # a journaled original: compare per CPU
+            return host.cpu.governors() == wanted
+        return current == wanted
+
+
+class CpuIdleKnob(Knob):
+    family = "cpu_idle"
+    section = "cpu"
+    fields = ("max_cstate_latency_us",)
+
+    def targets(self, host, section):
+        return ["cpu"]
+
+    def read(self, host, target):
+        states = host.cpu.cstates()
+        enabled = [s["latency_us"] for s in states if not s["disabled"]]
+        return {"max_cstate_latency_us": None if not states else (max(enabled) if enabled else -1)}
+
+    def desired(self, host, target, section):
+        if section.max_cstate_latency_us is None:
+            return {}
+        if not host.cpu.cstates():
+            raise KnobUnavailable("cpu", "max_cstate_latency_us",
+                                  "NotSupported (no cpuidle states under /sys/devices/system/cpu/cpu*/cpuidle)")
+        return {"max_cstate_latency_us": int(section.max_cstate_latency_us)}
+
+    def original(self, host, target, field):
         return {_key(s): s["disabled"] for s in host.cpu.cstates()}
 
     def write(self, host, target, field, value):
-        if field == "governor":
-            host.cpu.set_governors({cpu: value for cpu in host.cpu.governors()})
-            return
         limit = int(value)
         flips = {_key(s): s["latency_us"] > limit for s in host.cpu.cstates()
                  if s["disabled"] != (s["latency_us"] > limit)}
@@ -67,18 +90,14 @@ class CpuKnob(Knob):
             host.cpu.set_cstates_disabled(flips)
 
     def restore(self, host, target, field, original):
-        if field == "governor":
-            if isinstance(original, str):
-                original = {cpu: original for cpu in host.cpu.governors()}
-            host.cpu.set_governors(original)
-        elif isinstance(original, dict):
+        if isinstance(original, dict):
             host.cpu.set_cstates_disabled(original)
         else:
             self.write(host, target, field, original)
 
     def same(self, host, target, field, current, wanted):
-        if isinstance(wanted, dict):  # a journaled original: compare the exact per-CPU state
+        if isinstance(wanted, dict):  # a journaled original: compare the exact per-state flags
             return self.original(host, target, field) == wanted
-        if field == "max_cstate_latency_us" and wanted is not None:
-            return all(s["disabled"] == (s["latency_us"] > int(wanted)) for s in host.cpu.cstates())
-        return current == wanted
+        if wanted is None:
+            return current is None
+        return all(s["disabled"] == (s["latency_us"] > int(wanted)) for s in host.cpu.cstates())
