@@ -1,0 +1,1 @@
+"""End-to-end benchmark: a built-in Llama-style decoder, variants, energy, fingerprint, report."""

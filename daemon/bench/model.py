@@ -1,0 +1,228 @@
+"""A Llama-style decoder with random weights, built for benchmarking decode steps.
+
+Layout choices that make the decode step lean and graph-capturable:
+- fused weights: one [H, (Hq+2Hkv)*D] QKV matrix and one [H, 2F] gate/up matrix, stored as
+  [K, N] (the `matmul` kernel contract), so a decode step is four GEMVs per layer;
+- a static KV cache [L, 2, B, Hkv, S_max, D] (K and V of a layer side by side, each
+  [B, Hkv, S_max, D] contiguous) written in place at device-tensor positions, so one
+  captured step can be replayed without any host-side state;
+- RoPE in the decode step is one batched matmul per layer by a per-position rotation
+  matrix built once per step (instead of a handful of element-wise launches per layer);
+- every op with a tunable kernel goes through an `ops` object (see daemon/bench/ops.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    eps: float = 1e-5
+    rope_theta: float = 500000.0
+
+    def with_overrides(self, layers: int | None = None, vocab: int | None = None) -> "ModelConfig":
+        out = self
+        if layers:
+            out = replace(out, layers=int(layers), name=f"{out.name}-L{layers}")
+        if vocab:
+            out = replace(out, vocab=int(vocab), name=f"{out.name}-V{vocab}")
+        return out
+
+    @property
+    def qkv_heads(self) -> int:
+        return self.heads + 2 * self.kv_heads
+
+    def weight_bytes(self, dtype_bytes: int) -> int:
+        """Bytes a decode step reads from weights (embedding rows excluded: B rows only)."""
+        per_layer = (self.hidden * self.qkv_heads * self.head_dim      # qkv
+                     + self.heads * self.head_dim * self.hidden        # o
+                     + self.hidden * 2 * self.ffn                      # gate/up
+                     + self.ffn * self.hidden                          # down
+                     + 2 * self.hidden)                                # two norms
+        return dtype_bytes * (self.layers * per_layer + self.hidden + self.hidden * self.vocab)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token over all layers."""
+        return dtype_bytes * self.layers * 2 * self.kv_heads * self.head_dim
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Small enough for CPU tests in fp32: GQA (2 q heads per kv head) kept on purpose.
+    "tiny": ModelConfig("tiny", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                        ffn=128, vocab=256),
+    # Llama-3-8B dimensions, 8 of its 32 layers.
+    "llama3-8b-8l": ModelConfig("llama3-8b-8l", hidden=4096, layers=8, heads=32, kv_heads=8,
+                                head_dim=128, ffn=14336, vocab=128256),
+}
+
+
+def _rotate_half_matrix(d: int, dtype, device) -> torch.Tensor:
+    """P with (x @ P) == rotate_half(x) == cat(-x[d/2:], x[:d/2])."""
+    half = d // 2
+    p = torch.zeros(d, d, dtype=dtype, device=device)
+    idx = torch.arange(half, device=device)
+    p[idx + half, idx] = -1.0
+    p[idx, idx + half] = 1.0
+    return p
+
+
+class Model:
+    """Weights, KV cache and the two entry points (prefill, decode_step)."""
+
+    def __init__(self, cfg: ModelConfig, device="cpu", dtype=torch.float32, seed: int = 0):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+
+        def randn(*shape, std):
+            # Random, never zeros: zeros hide wrong indexing and can run faster than real data.
+            return (torch.randn(*shape, generator=g, device=self.device, dtype=torch.float32)
+                    .mul_(std).to(dtype))
+
+        def norm_weight():
+            return (1.0 + randn(cfg.hidden, std=0.1).float()).to(dtype)
+
+        h, d = cfg.hidden, cfg.head_dim
+        self.embedding = randn(cfg.vocab, h, std=1.0)
+        self.layers = []
+        for _ in range(cfg.layers):
+            self.layers.append({
+                "attn_norm": norm_weight(),
+                "w_qkv": randn(h, cfg.qkv_heads * d, std=1.0 / math.sqrt(h)),
+                "w_o": randn(cfg.heads * d, h, std=1.0 / math.sqrt(cfg.heads * d)),
+                "mlp_norm": norm_weight(),
+                "w_gate_up": randn(h, 2 * cfg.ffn, std=1.0 / math.sqrt(h)),
+                "w_down": randn(cfg.ffn, h, std=1.0 / math.sqrt(cfg.ffn)),
+            })
+        self.final_norm = norm_weight()
+        self.lm_head = randn(h, cfg.vocab, std=1.0 / math.sqrt(h))
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (
+            torch.arange(0, d, 2, device=self.device, dtype=torch.float32) / d))
+        self.rot = _rotate_half_matrix(d, torch.float32, self.device)
+        self.scale = 1.0 / math.sqrt(d)
+        self.kv: torch.Tensor | None = None
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def allocate_cache(self, batch: int, s_max: int) -> torch.Tensor:
+        c = self.cfg
+        self.kv = None  # free the old one first: the big configs do not fit twice
+        # Zeros, not empty: stock masked attention multiplies masked-out V rows by 0, and
+        # 0 * NaN garbage would still be NaN.
+        self.kv = torch.zeros(c.layers, 2, batch, c.kv_heads, s_max, c.head_dim,
+                              device=self.device, dtype=self.dtype)
+        return self.kv
+
+    def fill_cache_random(self, seed: int = 1) -> None:
+        """Random keys and values for a decode benchmark at a given context (no prefill needed)."""
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        for layer in range(self.kv.shape[0]):  # per layer: no fp32 copy of the whole cache
+            self.kv[layer].copy_(torch.randn(self.kv[layer].shape, generator=g,
+                                             device=self.device, dtype=torch.float32))
+
+    @property
+    def s_max(self) -> int:
+        return self.kv.shape[4]
+
+    # ---- RoPE -----------------------------------------------------------------------------
+    def _cos_sin(self, positions: torch.Tensor):
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., D/2]
+        ang = torch.cat([freqs, freqs], dim=-1)
+        return ang.cos(), ang.sin()
+
+    def rope_matrices(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, D, D] with x @ R == x * cos + rotate_half(x) * sin at each sequence's position."""
+        cos, sin = self._cos_sin(positions)
+        r = torch.diag_embed(cos) + self.rot[None] * sin[:, None, :]
+        return r.to(self.dtype)
+
+    # ---- forward --------------------------------------------------------------------------
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, ops) -> torch.Tensor:
+        """One token per sequence. tokens, positions: int64 [B] device tensors. -> logits [B, V].
+
+        Writes K/V at `positions` in place and attends over positions+1 entries. No host sync:
+        safe to capture in a CUDA graph and replay.
+        """
+        c, kv = self.cfg, self.kv
+        b = tokens.shape[0]
+        hq, hkv, d = c.heads, c.kv_heads, c.head_dim
+        seq_lens = (positions + 1).to(torch.int32)
+        rope = self.rope_matrices(positions)
+        mask = ops.attention_mask(seq_lens, kv.shape[4])
+        batch_idx = torch.arange(b, device=tokens.device)
+        h = self.embedding.index_select(0, tokens)
+        residual = None
+        for i, w in enumerate(self.layers):
+            if residual is None:
+                x, residual = ops.rmsnorm(h, w["attn_norm"], c.eps), h
+            else:
+                x, residual = ops.add_rmsnorm(h, residual, w["attn_norm"], c.eps)
+            qkv = ops.matmul(x, w["w_qkv"]).view(b, c.qkv_heads, d)
+            qk = torch.bmm(qkv[:, :hq + hkv], rope)
+            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
+            k_cache, v_cache = kv[i, 0], kv[i, 1]
+            k_cache[batch_idx, :, positions] = k
+            v_cache[batch_idx, :, positions] = v
+            attn = ops.decode_attention(q, k_cache, v_cache, seq_lens, self.scale, mask)
+            h = ops.matmul(attn.reshape(b, hq * d), w["w_o"])
+            x, residual = ops.add_rmsnorm(h, residual, w["mlp_norm"], c.eps)
+            h = ops.matmul(ops.silu_mul(ops.matmul(x, w["w_gate_up"])), w["w_down"])
+        x, _ = ops.add_rmsnorm(h, residual, self.final_norm, c.eps)
+        return ops.matmul(x, self.lm_head)
+
+    def prefill(self, tokens: torch.Tensor, ops, all_logits: bool = False) -> torch.Tensor:
+        """tokens int64 [B, T] at positions 0..T-1; fills kv[:, :, :, :, :T].
+
+        -> logits [B, V] of the last position, or [B, T, V] with all_logits.
+        """
+        c, kv = self.cfg, self.kv
+        b, t = tokens.shape
+        hq, hkv, d = c.heads, c.kv_heads, c.head_dim
+        cos, sin = self._cos_sin(torch.arange(t, device=tokens.device))
+        cos, sin = cos.to(self.dtype)[None, None], sin.to(self.dtype)[None, None]  # [1,1,T,D]
+        h = self.embedding.index_select(0, tokens.reshape(-1))  # [B*T, H]
+        residual = None
+        for i, w in enumerate(self.layers):
+            if residual is None:
+                x, residual = ops.rmsnorm(h, w["attn_norm"], c.eps), h
+            else:
+                x, residual = ops.add_rmsnorm(h, residual, w["attn_norm"], c.eps)
+            qkv = ops.matmul(x, w["w_qkv"]).view(b, t, c.qkv_heads, d).transpose(1, 2)
+            q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kv[i, 0, :, :, :t] = k
+            kv[i, 1, :, :, :t] = v
+            group = hq // hkv
+            attn = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                is_causal=True, scale=self.scale)  # [B, Hq, T, D]
+            h = ops.matmul(attn.transpose(1, 2).reshape(b * t, hq * d), w["w_o"])
+            x, residual = ops.add_rmsnorm(h, residual, w["mlp_norm"], c.eps)
+            h = ops.matmul(ops.silu_mul(ops.matmul(x, w["w_gate_up"])), w["w_down"])
+        if not all_logits:
+            h = h.view(b, t, -1)[:, -1]
+            residual = residual.view(b, t, -1)[:, -1]
+        x, _ = ops.add_rmsnorm(h.contiguous(), residual.contiguous(), self.final_norm, c.eps)
+        logits = ops.matmul(x, self.lm_head)
+        return logits.view(b, t, -1) if all_logits else logits
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -1,0 +1,470 @@
+"""Measure prefill and decode throughput of the built-in model, per variant and shape.
+
+Variants (decode): eager (stock ops, Python launches each step), graphed (the same step
+captured in one CUDA graph and replayed), compile (torch.compile max-autotune of the same
+step), tuned (the step graphed with hwtune's kernels substituted through TunedOps). All four
+run the same fused weights (QKV as one matrix, gate/up as one) so the comparison is fair.
+
+Timing: CUDA events around each step (or replay), warm-up first, median of >= 20 steps;
+tokens/s = batch / step time. Energy: NVML's total-energy counter over a separate window of
+>= 2 s of back-to-back steps -> tokens/J. Floor: bytes a decode step must move (weights +
+KV read for the context + KV written) over the copy bandwidth measured in the same run.
+A failing variant is a row with `status` and the error, never an abort.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from daemon.bench.model import PRESETS, Model
+from daemon.bench.ops import StockOps, TunedOps, default_table_path, load_table, rel_l2
+
+VARIANTS = ("eager", "graphed", "compile", "tuned")
+FAIR_NOTE = ("All variants run the same model with the same fused weights (one QKV matrix, "
+             "one gate/up matrix), the same static KV cache and the same RoPE-as-one-bmm step; "
+             "they differ only in how the step is launched and which kernels run.")
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class BenchOptions:
+    device: str = "auto"
+    preset: str | None = None
+    layers: int | None = None
+    vocab: int | None = None
+    dtype: str | None = None
+    shapes: list = field(default_factory=list)          # [(batch, ctx)] decode
+    prefill_shapes: list = field(default_factory=list)  # [(batch, tokens)]
+    variants: tuple = VARIANTS
+    steps: int = 50
+    warmup: int = 10
+    energy_window_s: float = 2.0
+    budget_s: float = 270.0
+    table_path: str | None = None
+    state_dir: str | None = None
+    quick_pick: int = 6
+    seed: int = 0
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'1x2048,8x2048' -> [(1, 2048), (8, 2048)]"""
+    out = []
+    for part in (text or "").split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        b, _, n = part.partition("x")
+        if not (b.isdigit() and n.isdigit()) or int(b) < 1 or int(n) < 1:
+            raise ValueError(f"shape {part!r}: expected BATCHxLENGTH, e.g. 8x2048")
+        out.append((int(b), int(n)))
+    return out
+
+
+def resolve_defaults(opts: BenchOptions) -> BenchOptions:
+    cuda = torch.cuda.is_available() and opts.device in ("auto", "cuda")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA device")
+    opts.device = "cuda" if cuda else "cpu"
+    if opts.preset is None:
+        opts.preset = "llama3-8b-8l" if cuda else "tiny"
+    if opts.dtype is None:
+        opts.dtype = "bf16" if cuda else "fp32"
+    if not opts.shapes:
+        opts.shapes = [(1, 2048), (8, 2048), (32, 2048), (1, 8192)] if cuda else [(1, 32), (2, 32)]
+    if not opts.prefill_shapes:
+        opts.prefill_shapes = [(1, 2048)] if cuda else [(1, 32)]
+    if not cuda:
+        opts.energy_window_s = 0.0
+    return opts
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ---- timing ---------------------------------------------------------------------------------
+def time_steps(fn, steps: int, warmup: int, cuda: bool) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    if not cuda:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(steps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def energy_window(fn, reader, window_s: float, calls_per_check: int) -> dict | None:
+    """Back-to-back calls for >= window_s; -> {energy_j, calls, wall_s} or None."""
+    if window_s <= 0 or reader is None or not reader.available:
+        return None
+    torch.cuda.synchronize()
+    e0, t0 = reader.energy_mj(), time.perf_counter()
+    if e0 is None:
+        return None
+    calls = 0
+    while True:
+        for _ in range(calls_per_check):
+            fn()
+        calls += calls_per_check
+        torch.cuda.synchronize()
+        if time.perf_counter() - t0 >= window_s:
+            break
+    wall = time.perf_counter() - t0
+    e1 = reader.energy_mj()
+    if e1 is None or e1 <= e0:
+        return {"energy_j": None, "calls": calls, "wall_s": wall,
+                "note": "energy counter did not advance"}
+    return {"energy_j": (e1 - e0) / 1000.0, "calls": calls, "wall_s": wall}
+
+
+def measure_copy_bandwidth_gbs(device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy; bytes read + bytes written over the median time."""
+    n = nbytes // 2
+    src = torch.randn(n, device=device, dtype=torch.float32).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = time_steps(lambda: dst.copy_(src), steps=10, warmup=3, cuda=True)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / (statistics.median(times) * 1e-3) / 1e9
+
+
+def decode_floor(cfg, batch: int, ctx: int, dtype_bytes: int, copy_gbs: float | None) -> dict:
+    w = cfg.weight_bytes(dtype_bytes)
+    per_tok = cfg.kv_bytes_per_token(dtype_bytes)
+    kv_read, kv_write = batch * ctx * per_tok, batch * per_tok
+    total = w + kv_read + kv_write
+    floor_ms = total / (copy_gbs * 1e9) * 1e3 if copy_gbs else None
+    return {"batch": batch, "ctx": ctx, "weight_bytes": w, "kv_read_bytes": kv_read,
+            "kv_write_bytes": kv_write, "total_bytes": total, "floor_ms": floor_ms}
+
+
+def capture_graph(fn):
+    """Warm up on a side stream (as torch requires), then capture one call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+class _CudagraphLog(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        try:
+            msg = record.getMessage()
+        except Exception:
+            return
+        if "cudagraph" in msg.lower() and msg not in self.messages:
+            self.messages.append(msg[:300])
+
+
+def _inductor_counters() -> dict:
+    try:
+        from torch._dynamo.utils import counters
+        return {k: dict(v) for k, v in counters.items() if k == "inductor"}.get("inductor", {})
+    except Exception:
+        return {}
+
+
+# ---- the benchmark ----------------------------------------------------------------------------
+class Bench:
+    def __init__(self, opts: BenchOptions, reader=None):
+        self.opts = resolve_defaults(opts)
+        self.cuda = self.opts.device == "cuda"
+        self.reader = reader
+        self.t0 = time.monotonic()
+        self.compile_s: float | None = None
+        self.cg_log = None
+
+    def left_s(self) -> float:
+        return self.opts.budget_s - (time.monotonic() - self.t0)
+
+    def run(self) -> dict:
+        o = self.opts
+        cfg = PRESETS[o.preset].with_overrides(o.layers, o.vocab)
+        dtype = DTYPES[o.dtype]
+        dtype_bytes = torch.empty(0, dtype=dtype).element_size()
+        doc = {"label": "cuda" if self.cuda else "cpu", "device": o.device, "model": cfg.to_json(),
+               "dtype": o.dtype, "fair_note": FAIR_NOTE, "variants": list(o.variants),
+               "steps": o.steps, "warmup": o.warmup, "energy_window_s": o.energy_window_s,
+               "decode": [], "prefill": [], "floors": [], "tuned_kernels": {}, "compile": {}}
+        log(f"{doc['label']}: model {cfg.name} {o.dtype}, shapes {o.shapes}, variants {list(o.variants)}, "
+            f"budget {o.budget_s:.0f}s")
+        torch.manual_seed(o.seed)
+        model = Model(cfg, device=o.device, dtype=dtype, seed=o.seed)
+        if self.cuda:
+            torch.cuda.synchronize()
+            doc["copy_bandwidth_gbs"] = measure_copy_bandwidth_gbs(o.device)
+            log(f"copy bandwidth {doc['copy_bandwidth_gbs']:.0f} GB/s (read+write)")
+        else:
+            doc["copy_bandwidth_gbs"] = None
+        doc["energy_source"] = self.reader.source if (self.reader and self.reader.available) else None
+        if self.cuda and doc["energy_source"] is None:
+            doc["energy_note"] = getattr(self.reader, "error", "no NVML reader")
+
+        if o.table_path is None and o.state_dir is not None:
+            o.table_path = default_table_path(o.state_dir, o.device)
+        table, table_note = load_table(o.table_path)
+        doc["kernel_table"] = {"path": str(o.table_path) if o.table_path else None,
+                               "loaded": table is not None, "note": table_note}
+        log(f"kernels for tuned: {table_note}")
+
+        for batch, ctx in o.shapes:
+            floor = decode_floor(cfg, batch, ctx, dtype_bytes, doc["copy_bandwidth_gbs"])
+            doc["floors"].append(floor)
+            try:
+                self._decode_shape(model, batch, ctx, floor, table, table_note, doc)
+            except Exception as exc:  # e.g. out of memory for this shape: the rest still runs
+                log(f"decode {batch}x{ctx} failed: {type(exc).__name__}: {exc}")
+                doc["decode"].append({"variant": "*", "batch": batch, "ctx": ctx,
+                                      "status": f"error: {type(exc).__name__}: {str(exc)[:300]}"})
+            finally:
+                model.kv = None
+                if self.cuda:
+                    torch.cuda.empty_cache()
+        for batch, tokens in o.prefill_shapes:
+            try:
+                self._prefill_shape(model, batch, tokens, table, doc)
+            except Exception as exc:
+                log(f"prefill {batch}x{tokens} failed: {type(exc).__name__}: {exc}")
+                doc["prefill"].append({"variant": "*", "batch": batch, "tokens": tokens,
+                                       "status": f"error: {type(exc).__name__}: {str(exc)[:300]}"})
+            finally:
+                model.kv = None
+        if self.cg_log is not None:
+            logging.getLogger("torch").removeHandler(self.cg_log)
+        doc["wall_s"] = time.monotonic() - self.t0
+        return doc
+
+    # ---- decode -------------------------------------------------------------------------------
+    def _decode_shape(self, model, batch, ctx, floor, table, table_note, doc):
+        o = self.opts
+        s_max = int(math.ceil((ctx + 1) / 64) * 64)
+        model.allocate_cache(batch, s_max)
+        model.fill_cache_random(seed=o.seed + 1)
+        g = torch.Generator(device=o.device)
+        g.manual_seed(o.seed + 2)
+        tokens = torch.randint(1, model.cfg.vocab, (batch,), generator=g, device=o.device)
+        positions = torch.full((batch,), ctx, device=o.device, dtype=torch.int64)
+        stock = StockOps()
+        ref = model.decode_step(tokens, positions, stock).float()
+        for variant in o.variants:
+            row = {"variant": variant, "batch": batch, "ctx": ctx, "s_max": s_max}
+            if self.left_s() < 15:
+                row["status"] = "skipped: time budget spent"
+                doc["decode"].append(row)
+                continue
+            t_start = time.monotonic()
+            try:
+                fn, out, extra = self._make_step(variant, model, tokens, positions, stock, table,
+                                                 table_note, doc, batch, ctx)
+                if fn is None:
+                    row.update(extra)
+                    doc["decode"].append(row)
+                    log(f"decode {variant:8s} B={batch:<3d} ctx={ctx:<5d} {row['status']}")
+                    continue
+                row.update(extra)
+                out_now = fn()
+                logits = (out if out is not None else out_now).float()
+                row["rel_l2_vs_eager"] = rel_l2(logits, ref)
+                times = time_steps(fn, o.steps, o.warmup, self.cuda)
+                step_ms = statistics.median(times)
+                row.update(status="ok", step_ms=step_ms, step_ms_min=min(times),
+                           step_ms_max=max(times), tokens_per_s=batch / (step_ms * 1e-3))
+                if floor["floor_ms"]:
+                    row["pct_of_floor"] = 100.0 * floor["floor_ms"] / step_ms
+                if self.cuda:
+                    calls = max(1, int(0.2 / (step_ms * 1e-3)))
+                    e = energy_window(fn, self.reader, o.energy_window_s, calls)
+                    if e:
+                        row["energy"] = e
+                        if e.get("energy_j"):
+                            row["tokens_per_j"] = batch * e["calls"] / e["energy_j"]
+                            row["avg_power_w"] = e["energy_j"] / e["wall_s"]
+                if row["rel_l2_vs_eager"] > (5e-2 if model.dtype != torch.float32 else 1e-3):
+                    row["warning"] = "logits differ from eager beyond bf16 noise"
+            except Exception as exc:
+                row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                row["traceback"] = traceback.format_exc(limit=6)[-2000:]
+            finally:
+                row["wall_s"] = time.monotonic() - t_start
+                if self.cuda:
+                    torch.cuda.synchronize()
+            doc["decode"].append(row)
+            if row.get("status") == "ok":
+                tj = f"{row['tokens_per_j']:.1f} tok/J" if row.get("tokens_per_j") else "no energy"
+                pf = f"{row['pct_of_floor']:.0f}% of floor" if row.get("pct_of_floor") else ""
+                log(f"decode {variant:8s} B={batch:<3d} ctx={ctx:<5d} {row['step_ms']:.3f} ms "
+                    f"{row['tokens_per_s']:.0f} tok/s {tj} {pf} (err {row['rel_l2_vs_eager']:.1e})")
+            else:
+                log(f"decode {variant:8s} B={batch:<3d} ctx={ctx:<5d} {row['status']}")
+            fn = out = None
+            if self.cuda:
+                torch.cuda.empty_cache()
+
+    def _make_step(self, variant, model, tokens, positions, stock, table, table_note, doc, batch, ctx):
+        """-> (callable, static output or None, row fields). callable None = not run."""
+        if variant == "eager":
+            return (lambda: model.decode_step(tokens, positions, stock)), None, {}
+        if variant == "graphed":
+            if not self.cuda:
+                return None, None, {"status": "skipped: needs CUDA"}
+            graph, out = capture_graph(lambda: model.decode_step(tokens, positions, stock))
+            return graph.replay, out, {}
+        if variant == "tuned":
+            if self.cuda or os.environ.get("TRITON_INTERPRET") == "1":
+                ops = TunedOps(table, table_note, quick_pick=self.opts.quick_pick if self.cuda else 1)
+            else:
+                ops = TunedOps(None, "cpu without TRITON_INTERPRET=1: templates not tried",
+                               kernel_dir=_NO_DIR)
+            used = ops.prepare(model, batch, time_it=self.cuda)
+            doc["tuned_kernels"][f"{batch}x{ctx}"] = used
+            summary = {op: u["impl"] for op, u in used.items()}
+            fields = {"kernels": summary, "kernel_source": table_note if table is not None else
+                      "built-in templates (first config) or stock"}
+            if not self.cuda:
+                return (lambda: model.decode_step(tokens, positions, ops)), None, fields
+            if table is not None:
+                table.counts.clear()
+            graph, out = capture_graph(lambda: model.decode_step(tokens, positions, ops))
+            if table is not None:  # what the table routed while the graph was captured (4 calls)
+                fields["table_routes"] = {f"{k}:{r}": n for (k, r), n in sorted(table.counts.items())}
+            return graph.replay, out, fields
+        if variant == "compile":
+            if not self.cuda:
+                return None, None, {"status": "skipped: needs CUDA (compile is a GPU measurement here)"}
+            if self.compile_s is not None and self.left_s() < 1.5 * self.compile_s + 20:
+                return None, None, {"status": f"skipped: time budget (last compile took {self.compile_s:.0f}s)"}
+            return self._compiled_step(model, tokens, positions, stock, doc)
+        return None, None, {"status": f"skipped: unknown variant {variant!r}"}
+
+    def _compiled_step(self, model, tokens, positions, stock, doc):
+        if self.cg_log is None:
+            self.cg_log = _CudagraphLog()
+            logging.getLogger("torch").addHandler(self.cg_log)
+            try:
+                torch._logging.set_logs(perf_hints=True)
+            except Exception:
+                pass
+        before = _inductor_counters()
+        compiled = torch.compile(lambda t, p: model.decode_step(t, p, stock),
+                                 mode="max-autotune", dynamic=False)
+        mark = getattr(getattr(torch, "compiler", None), "cudagraph_mark_step_begin", None)
+
+        def step():
+            if mark is not None:
+                mark()
+            return compiled(tokens, positions)
+
+        t = time.monotonic()
+        step()
+        torch.cuda.synchronize()
+        self.compile_s = time.monotonic() - t
+        after = _inductor_counters()
+        skips = after.get("cudagraph_skips", 0) - before.get("cudagraph_skips", 0)
+        info = {"compile_s": self.compile_s, "cudagraph_skips": skips,
+                "cudagraphs": "skipped by torch.compile" if skips else "used (or not reported)",
+                "messages": list(self.cg_log.messages)}
+        doc["compile"].setdefault("runs", []).append(info)
+        log(f"compile: {self.compile_s:.0f}s, cudagraph skips {skips} {self.cg_log.messages[-1:] or ''}")
+        return step, None, {"compile_s": self.compile_s, "cudagraphs": info["cudagraphs"]}
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def _prefill_shape(self, model, batch, tokens_n, table, doc):
+        o = self.opts
+        model.allocate_cache(batch, int(math.ceil(tokens_n / 64) * 64))
+        g = torch.Generator(device=o.device)
+        g.manual_seed(o.seed + 3)
+        tokens = torch.randint(1, model.cfg.vocab, (batch, tokens_n), generator=g, device=o.device)
+        variants = [("eager", StockOps())]
+        if table is not None:
+            variants.append(("tuned", TunedOps(table, "dispatch table")))
+        for name, ops in variants:
+            row = {"variant": name, "batch": batch, "tokens": tokens_n}
+            if self.left_s() < 10:
+                row["status"] = "skipped: time budget spent"
+                doc["prefill"].append(row)
+                continue
+            try:
+                fn = lambda: model.prefill(tokens, ops)  # noqa: E731
+                times = time_steps(fn, max(5, o.steps // 10), 2, self.cuda)
+                ms = statistics.median(times)
+                row.update(status="ok", time_ms=ms, tokens_per_s=batch * tokens_n / (ms * 1e-3))
+                if self.cuda:
+                    e = energy_window(fn, self.reader, o.energy_window_s, max(1, int(0.2 / (ms * 1e-3))))
+                    if e and e.get("energy_j"):
+                        row["energy"] = e
+                        row["tokens_per_j"] = batch * tokens_n * e["calls"] / e["energy_j"]
+                log(f"prefill {name:8s} B={batch} T={tokens_n} {ms:.2f} ms {row['tokens_per_s']:.0f} tok/s")
+            except Exception as exc:
+                row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                log(f"prefill {name} failed: {row['status']}")
+            doc["prefill"].append(row)
+
+
+class _NoDir:
+    """A kernel directory where no template exists (CPU runs without the interpreter)."""
+
+    def __truediv__(self, name):
+        from pathlib import Path
+        return Path("/nonexistent-hwtune-kernels") / name
+
+
+_NO_DIR = _NoDir()
+
+
+def format_table(doc: dict) -> str:
+    lines = [f"{'variant':8s} {'batch':>5s} {'ctx':>6s} {'step ms':>9s} {'tokens/s':>10s} "
+             f"{'tokens/J':>9s} {'% floor':>8s}  status"]
+    for r in doc["decode"]:
+        ok = r.get("status") == "ok"
+        lines.append(
+            f"{r['variant']:8s} {r['batch']:5d} {r['ctx']:6d} "
+            f"{(format(r['step_ms'], '.3f') if ok else '-'):>9s} "
+            f"{(format(r['tokens_per_s'], '.0f') if ok else '-'):>10s} "
+            f"{(format(r['tokens_per_j'], '.1f') if r.get('tokens_per_j') else '-'):>9s} "
+            f"{(format(r['pct_of_floor'], '.0f') + '%' if r.get('pct_of_floor') else '-'):>8s}  "
+            f"{r.get('status', '')[:70]}")
+    for f in doc.get("floors", []):
+        if f.get("floor_ms"):
+            lines.append(f"floor B={f['batch']} ctx={f['ctx']}: {f['floor_ms']:.3f} ms "
+                         f"({f['total_bytes'] / 1e9:.2f} GB at {doc.get('copy_bandwidth_gbs', 0):.0f} GB/s)")
+    for r in doc.get("prefill", []):
+        if r.get("status") == "ok":
+            tj = f", {r['tokens_per_j']:.1f} tok/J" if r.get("tokens_per_j") else ""
+            lines.append(f"prefill {r['variant']} {r['batch']}x{r['tokens']}: {r['time_ms']:.2f} ms, "
+                         f"{r['tokens_per_s']:.0f} tok/s{tj}")
+        else:
+            lines.append(f"prefill {r['variant']} {r['batch']}x{r['tokens']}: {r.get('status')}")
+    return "\n".join(lines)
