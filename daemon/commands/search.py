@@ -1,0 +1,125 @@
+"""`hwtune search KERNEL`: the kernel autoresearch loop (kernelsearch.search) for people and scripts.
+
+Progress goes to stderr; the result is a table on stdout (or one JSON document with --json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from hwtune.errors import UsageError
+
+STRATEGIES = ("grid", "random", "optuna", "evolution", "agent")
+
+
+def _shape(text: str) -> dict:
+    try:
+        out = {}
+        for part in text.split(","):
+            k, v = part.split("=", 1)
+            out[k.strip()] = v.strip() if k.strip() == "dtype" else int(v)
+        return out
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: expected e.g. M=4,N=3000[,dtype=bfloat16]")
+
+
+def add_search_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("kernel", help="rmsnorm, add_rmsnorm, softmax, matmul, decode_attention")
+    p.add_argument("--strategy", choices=STRATEGIES, default="grid")
+    p.add_argument("--budget", default="medium",
+                   help="points per shape (agent: rounds): a number or small|medium|large|all")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda",
+                   help="cpu: Triton interpreter, reduced shapes, times are not speeds")
+    p.add_argument("--dtype", default=None, help="override the spec's dtype for every shape")
+    p.add_argument("--shape", type=_shape, action="append", default=None,
+                   help="search only this shape (repeatable), e.g. M=4096,N=4096")
+    p.add_argument("--resume", action="store_true",
+                   help="skip (kernel, shape, candidate) already in the ledger for this device and code")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=None, help="per harness request (default: harness's)")
+    p.add_argument("--source", type=Path, default=None, help="search this template file instead of the built-in")
+    p.add_argument("--agent-command", default=None,
+                   help="agent proposer command (split like a shell, run without one); {workdir} is substituted")
+    p.add_argument("--agent-timeout-s", type=float, default=900.0)
+    p.add_argument("--agent-user", default=None, help="run the agent as this user when hwtune runs as root")
+    p.add_argument("--model-family", choices=("llama", "deepseek", "all"), default="llama",
+                   help="which context/models notes the agent gets")
+    p.add_argument("--ledger", type=Path, default=None, help="SQLite ledger (default STATE_DIR/ledger.sqlite)")
+    p.add_argument("--dispatch-out", type=Path, default=None,
+                   help="dispatch table to update (default STATE_DIR/dispatch/<fingerprint>.json)")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    # scale-out (kernelsearch.pool / kernelsearch.ray_executor); the ledger stays in this process
+    p.add_argument("--executor", choices=("local", "pool", "ray"), default="local",
+                   help="local: one evaluation at a time; pool: one worker process per GPU "
+                        "(--device cpu: CPU slots); ray: Ray tasks, one GPU each")
+    p.add_argument("--workers", type=int, default=None,
+                   help="pool: how many workers (default every visible GPU; cpu: 2); ray: tasks at once")
+    p.add_argument("--ray-address", default=None,
+                   help="ray: an existing cluster (e.g. 10.0.0.5:6379 or auto); default starts a local one")
+
+
+def _ms(x) -> str:
+    return f"{x:.4f}" if x is not None and math.isfinite(x) else "-"
+
+
+def _table(result) -> str:
+    head = ["shape", "dtype", "stock ms", "best ms", "speedup", "kept", "bound", "% ceil", "tries", "failed (why)"]
+    rows = [head]
+    for r in result.shapes:
+        failed = {k: v for k, v in r.verdicts.items() if k != "accepted"}
+        rows.append([
+            " ".join(f"{k}={v}" for k, v in r.shape.items() if k != "dtype"), r.dtype,
+            _ms(r.stock_ms), _ms(r.best["candidate_ms"]) if r.best else "-",
+            f"{r.speedup:.2f}x" if r.speedup else "-", "yes" if r.kept else "no (stock)",
+            r.bound, f"{r.pct_of_ceiling:.0f}%" if r.pct_of_ceiling else "-", str(r.attempts),
+            ", ".join(f"{k}:{v}" for k, v in sorted(failed.items(), key=lambda kv: -kv[1])) or "0"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    kept = sum(r.kept for r in result.shapes)
+    lines.append("")
+    lines.append(f"{result.kernel} on {result.fingerprint_id}: {kept}/{len(result.shapes)} shapes use a "
+                 f"tuned kernel, the rest stay on stock; {result.evaluations} child runs"
+                 f" ({result.resumed} results resumed from the ledger) in {result.elapsed_s:.0f} s")
+    if result.device == "cpu":
+        lines.append("(cpu: Triton interpreter -- the times check the loop, they are not speeds)")
+    lines.append(f"dispatch table: {result.table_path}")
+    return "\n".join(lines)
+
+
+def run_search(args, ctx) -> int:
+    from kernelsearch.search import parse_budget, search
+    from kernelsearch.specs import SPECS
+
+    if args.kernel not in SPECS:
+        raise UsageError(f"unknown kernel {args.kernel!r}: expected one of {', '.join(SPECS)}")
+    try:
+        budget = parse_budget(args.budget)
+    except ValueError:
+        raise UsageError(f"--budget {args.budget!r}: a number or small|medium|large|all") from None
+    agent = None
+    if args.strategy == "agent":
+        if not args.agent_command:
+            raise UsageError("--strategy agent needs --agent-command")
+        from kernelsearch.agent import AgentConfig
+
+        agent = AgentConfig.from_command(args.agent_command, timeout_s=args.agent_timeout_s,
+                                         user=args.agent_user, model_family=args.model_family)
+    from kernelsearch.pool import open_executor
+
+    with open_executor(getattr(args, "executor", "local"), device=args.device,
+                       workers=getattr(args, "workers", None),
+                       ray_address=getattr(args, "ray_address", None)) as executor:
+        result = search(args.kernel, state_dir=ctx.state_dir, strategy=args.strategy, budget=budget,
+                        device=args.device, dtype=args.dtype, shapes=args.shape, resume=args.resume,
+                        seed=args.seed, ledger_path=args.ledger, dispatch_path=args.dispatch_out,
+                        timeout_s=args.timeout_s, source_path=args.source, agent=agent, executor=executor,
+                        progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2, sort_keys=True))
+    else:
+        print(_table(result))
+    return 0

@@ -1,0 +1,218 @@
+"""External agent proposer: a configured command writes a candidate file; the harness judges it.
+
+Each round gets a fresh work directory holding the context pack:
+  TASK.md            what to write, the contract, the shapes, dtype and tolerance
+  baseline.py        the current template (a working starting point)
+  context/*.md       notes for the detected GPU generation and the model family
+  roofline.json      this device's measured ceilings
+  ledger.json        what was tried for this kernel on this device and why it failed
+  best.json          the best times so far per shape, and stock's
+The command runs without a shell, with cwd = the work dir, a hard timeout (the whole process
+group is killed), and -- when hwtune runs as root and a user is configured -- as that user.
+It must leave `candidate.py` in the work dir. A missing file, a timeout or a crash is a
+verdict (guard "agent"), never an exception; a garbage file is judged by the harness like any
+other candidate.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CONTEXT_DIR = Path(__file__).resolve().parent.parent / "context"
+CANDIDATE_NAME = "candidate.py"
+LOG_TAIL_BYTES = 4000
+
+# compute capability major -> note; consumer cards (no NVLink) are recognised by name
+GENERATION_NOTES = {8: "ampere-a100.md", 9: "hopper-h100-h200.md", 10: "blackwell-b200.md",
+                    12: "blackwell-b200.md"}
+CONSUMER_MARKERS = ("geforce", "rtx", "titan")
+MODEL_NOTES = {"llama": ["llama-gqa.md"], "deepseek": ["deepseek-mla-sparse.md"],
+               "all": ["llama-gqa.md", "deepseek-mla-sparse.md"]}
+
+
+@dataclass
+class AgentConfig:
+    argv: list[str]
+    timeout_s: float = 900.0
+    user: str | None = None          # drop to this user when running as root
+    model_family: str = "llama"      # which context/models notes to include
+    env_passthrough: tuple[str, ...] = ()   # e.g. an API key variable the agent needs
+
+    @classmethod
+    def from_command(cls, command: str, **kw) -> "AgentConfig":
+        return cls(argv=shlex.split(command), **kw)
+
+
+@dataclass
+class AgentOutcome:
+    status: str                      # "ok" | "timeout" | "failed" | "missing"
+    reason: str
+    candidate_path: Path | None = None
+    returncode: int | None = None
+    elapsed_s: float = 0.0
+
+
+def context_notes(fingerprint: dict, model_family: str = "llama",
+                  context_dir: Path = CONTEXT_DIR) -> list[Path]:
+    """The notes for this GPU (by compute capability and name) and model family, README first."""
+    names = ["README.md"]
+    gpu = str(fingerprint.get("gpu", "")).lower()
+    try:
+        major = int(str(fingerprint.get("capability", "")).split(".")[0])
+    except ValueError:
+        major = None
+    if any(m in gpu for m in CONSUMER_MARKERS):
+        names.append("gpu/consumer-no-nvlink.md")
+    if major in GENERATION_NOTES:
+        names.append("gpu/" + GENERATION_NOTES[major])
+    names += ["models/" + n for n in MODEL_NOTES.get(model_family, MODEL_NOTES["all"])]
+    return [context_dir / n for n in names if (context_dir / n).exists()]
+
+
+def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device: str) -> str:
+    import importlib
+
+    doc = importlib.import_module(type(spec).__module__).__doc__ or ""
+    lines = [f"# Task: a faster `{kernel}` kernel for {device}", "",
+             f"Write `{CANDIDATE_NAME}` in this directory: a Python file with at least one "
+             "`@triton.jit` kernel and a `launch(...)` function following the contract below; "
+             "launch's default keyword values are the parameters used.",
+             "Outputs are passed in (destination-passing); compute in fp32, cast on store.",
+             "It is verified on fresh random inputs of every shape (several distributions), for "
+             "unwritten outputs, input mutation, determinism and global state, then timed "
+             "against stock. Start from `baseline.py`; see context/ for the hardware.", "",
+             "## Contract", doc.strip(), "",
+             f"## Shapes ({dtype or 'primary dtype'}; a shape's own dtype wins)"]
+    lines += [f"- {json.dumps(s, sort_keys=True)}" for s in shapes]
+    tol = {d: spec.tolerance(d) for d in spec.dtypes.get("cuda" if device.startswith("cuda") else "cpu", ())}
+    lines += ["", "## Tolerance (relative L2 error per row)", json.dumps(tol), ""]
+    return "\n".join(lines)
+
+
+def write_context_pack(work_dir: Path, *, kernel: str, spec, shapes, dtype, device, fingerprint,
+                       ceilings, ledger_summary, recent_attempts, best, baseline_path,
+                       model_family="llama", context_dir: Path = CONTEXT_DIR) -> list[str]:
+    """Fill `work_dir` with everything the agent is given; returns the file names written."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / "context").mkdir(exist_ok=True)
+    written = []
+
+    def put(name: str, text: str) -> None:
+        (work_dir / name).write_text(text)
+        written.append(name)
+
+    put("TASK.md", _task_text(kernel, spec, shapes, dtype, device))
+    put("baseline.py", Path(baseline_path).read_text())
+    for note in context_notes(fingerprint, model_family, context_dir):
+        put(f"context/{note.name}", note.read_text())
+    put("roofline.json", json.dumps(ceilings or {}, indent=2, sort_keys=True, default=str))
+    tried = [{"params": a["params"], "source_hash": a["source_hash"], "shape": a["shape"],
+              "accepted": a["accepted"], "guard": a["guard"], "reason": (a["reason"] or "")[:300],
+              "candidate_ms": a["candidate_ms"] if math.isfinite(a["candidate_ms"]) else None,
+              "stock_ms": a["stock_ms"] if math.isfinite(a["stock_ms"]) else None}
+             for a in recent_attempts]
+    put("ledger.json", json.dumps({"summary": ledger_summary, "recent": tried}, indent=2))
+    put("best.json", json.dumps(best, indent=2, sort_keys=True))
+    return written
+
+
+def _demote(user: str | None):
+    """`user=` for Popen when running as root and a user is configured; None otherwise."""
+    if user and hasattr(os, "geteuid") and os.geteuid() == 0:
+        return user
+    return None
+
+
+def run_agent(config: AgentConfig, work_dir: Path) -> AgentOutcome:
+    """Run the agent command once in `work_dir`; never raises for the agent's own failures."""
+    user = _demote(config.user)
+    if user:
+        shutil.chown(work_dir, user=user)
+        for path in work_dir.rglob("*"):
+            shutil.chown(path, user=user)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work_dir),
+           "LANG": os.environ.get("LANG", "C.UTF-8"), "HWTUNE_AGENT_WORKDIR": str(work_dir)}
+    env.update({k: os.environ[k] for k in config.env_passthrough if k in os.environ})
+    argv = [a.replace("{workdir}", str(work_dir)) for a in config.argv]
+    log = open(work_dir / "agent.log", "wb")
+    started = time.time()
+    try:
+        proc = subprocess.Popen(argv, cwd=work_dir, env=env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                **({"user": user} if user else {}))
+    except OSError as exc:
+        log.close()
+        return AgentOutcome("failed", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+    try:
+        rc = proc.wait(timeout=config.timeout_s)
+    except subprocess.TimeoutExpired:
+        # the agent may have spawned helpers: kill its whole session
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.close()
+        return AgentOutcome("timeout", f"agent killed after {config.timeout_s:g} s",
+                            elapsed_s=time.time() - started)
+    log.close()
+    elapsed = time.time() - started
+    candidate = work_dir / CANDIDATE_NAME
+    if rc != 0:
+        return AgentOutcome("failed", f"agent exited {rc}: {_tail(work_dir / 'agent.log')}",
+                            returncode=rc, elapsed_s=elapsed)
+    if not candidate.is_file():
+        return AgentOutcome("missing", f"agent exited 0 but wrote no {CANDIDATE_NAME}",
+                            returncode=rc, elapsed_s=elapsed)
+    return AgentOutcome("ok", "", candidate, rc, elapsed)
+
+
+def _tail(path: Path) -> str:
+    data = path.read_bytes()[-LOG_TAIL_BYTES:] if path.exists() else b""
+    return data.decode(errors="replace").strip().splitlines()[-1:][0] if data.strip() else "(no output)"
+
+
+def agent_rounds(loop, config: AgentConfig, *, spec, rounds: int, ceilings, state_dir: Path,
+                 baseline_path: Path) -> None:
+    """Drive `rounds` agent attempts through the search loop's measure/record (same harness)."""
+    from kernelsearch.harness.verdict import Verdict
+    from kernelsearch.ledger import file_hash
+    from kernelsearch.search import Candidate
+
+    if config is None:
+        raise ValueError("strategy 'agent' needs an agent command (--agent-command)")
+    state_dir = Path(state_dir)
+    keep_dir = state_dir / "candidates"
+    keep_dir.mkdir(parents=True, exist_ok=True)
+    for i in range(rounds):
+        work_dir = state_dir / "agent" / loop.run_id / f"round-{i + 1}"
+        write_context_pack(
+            work_dir, kernel=loop.kernel, spec=spec, shapes=loop.shapes, dtype=loop.dtype,
+            device=loop.device, fingerprint=loop.fingerprint, ceilings=ceilings,
+            ledger_summary=loop.ledger.summary(kernel=loop.kernel, fingerprint=loop.fingerprint_id),
+            recent_attempts=loop.ledger.attempts(kernel=loop.kernel, fingerprint=loop.fingerprint_id,
+                                                 limit=40),
+            best=loop.best_so_far(), baseline_path=baseline_path, model_family=config.model_family)
+        loop.progress(f"agent round {i + 1}/{rounds}: {' '.join(config.argv)} in {work_dir}")
+        outcome = run_agent(config, work_dir)
+        if outcome.status != "ok":
+            # no file to judge: record the agent's failure itself, once per shape
+            ghost = Candidate(work_dir / CANDIDATE_NAME, f"agent-{outcome.status}-{i + 1}", {},
+                              {"path": str(work_dir / CANDIDATE_NAME)})
+            loop.candidates[ghost.ident] = ghost
+            loop.memo.setdefault(ghost.ident, {})
+            loop.record(ghost, loop.shapes, Verdict(accepted=False, guard="agent", reason=outcome.reason,
+                                                    kernel=loop.kernel), time.time())
+            continue
+        digest = file_hash(outcome.candidate_path)
+        kept = keep_dir / f"{loop.kernel}-{digest}.py"
+        shutil.copyfile(outcome.candidate_path, kept)
+        loop.measure([Candidate(kept, digest, {}, {"path": str(kept)})])

@@ -1,0 +1,405 @@
+"""The inner loop: propose -> verify + time (harness, in a child) -> record -> keep | revert -> dispatch.
+
+For each shape of the sweep a strategy searches the template's SPACE for the fastest point
+at that shape. A point is always measured on every shape still unknown for it, in ONE child
+run: the child's start-up (torch import, CUDA context, compile) costs far more than timing a
+few more shapes, and the other shapes' strategies then find it already measured.
+
+Every attempt is a ledger row, written here in the parent (executors only run jobs). A
+winner is kept for a shape only when faster than stock by more than the noise band
+(`kernelsearch.harness.timing.keep`, the fixed metric); the dispatch table lists only winners.
+
+Executor contract (for worker pools, Ray): `map(jobs) -> verdicts` in order, where a job is a
+JSON-ready dict of `kernelsearch.harness.evaluate` keyword arguments and a verdict is a
+`Verdict` (or its JSON). `width` (optional attribute): jobs worth sending at once.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kernelsearch.ledger import Ledger, canonical, code_version, file_hash, git_describe
+from kernelsearch.proposers import REGISTRY, allowed_from_configs, key
+from kernelsearch.specs import get_spec
+
+BUDGETS = {"small": 4, "medium": 32, "large": 128, "all": 10**9}
+DEFAULT_NOISE_BAND = 0.02  # used when the harness could not measure one
+
+
+class SequentialExecutor:
+    """Runs jobs one after another; each `evaluate` call starts its own child process."""
+
+    width = 1
+
+    def map(self, jobs: list[dict]) -> list:
+        from kernelsearch.harness import evaluate
+
+        return [evaluate(**job) for job in jobs]
+
+
+@dataclass
+class Outcome:
+    """One (candidate, shape) result as the loop uses it."""
+    accepted: bool
+    candidate_ms: float
+    stock_ms: float
+    noise_band: float | None
+    guard: str | None
+    reason: str
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    @property
+    def time_ms(self) -> float:
+        return self.candidate_ms if self.accepted else math.inf
+
+
+@dataclass
+class Candidate:
+    """What is measured: a source file (template or agent-written) plus params."""
+    source_path: Path
+    source_hash: str
+    params: dict
+    source_ref: dict  # dispatch's "source": {"module": ...} or {"path": ...}
+
+    @property
+    def ident(self) -> str:
+        return f"{self.source_hash}:{key(self.params)}"
+
+
+@dataclass
+class ShapeReport:
+    shape: dict
+    dtype: str
+    stock_ms: float = math.inf
+    best: dict | None = None          # {"params", "source", "candidate_ms", "stock_ms", "noise_band"}
+    kept: bool = False
+    speedup: float | None = None
+    bound: str = "unknown"
+    pct_of_ceiling: float = 0.0
+    attempts: int = 0
+    verdicts: dict = field(default_factory=dict)   # "accepted" | guard -> count
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["stock_ms"] = _json_float(self.stock_ms)
+        return d
+
+
+@dataclass
+class SearchResult:
+    kernel: str
+    device: str
+    strategy: str
+    fingerprint_id: str
+    run_id: str
+    shapes: list[ShapeReport]
+    evaluations: int               # child runs started (jobs), resumed ones excluded
+    resumed: int                   # (candidate, shape) pairs taken from the ledger
+    table_path: str | None
+    ceilings: dict | None
+    elapsed_s: float
+
+    def to_json(self) -> dict:
+        return {"kernel": self.kernel, "device": self.device, "strategy": self.strategy,
+                "fingerprint_id": self.fingerprint_id, "run_id": self.run_id,
+                "evaluations": self.evaluations, "resumed": self.resumed,
+                "table_path": self.table_path, "ceilings": self.ceilings,
+                "elapsed_s": round(self.elapsed_s, 3), "shapes": [s.to_json() for s in self.shapes]}
+
+
+def _json_float(x):
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _shape_key(shape: dict) -> str:
+    return canonical({k: v for k, v in shape.items() if k != "dtype"})
+
+
+def parse_budget(text) -> int:
+    if isinstance(text, int):
+        return text
+    return BUDGETS[text] if text in BUDGETS else int(text)
+
+
+def template_candidate(kernel: str, source_path: Path | None = None):
+    """(SPACE, validity rule, Candidate factory) for the built-in template (or a given file)."""
+    from kernelsearch.kernels import TEMPLATES, template_path
+
+    if source_path is None:
+        source_path = template_path(kernel)
+        module = importlib.import_module(TEMPLATES[kernel])
+        ref = {"module": TEMPLATES[kernel]}
+    else:
+        source_path = Path(source_path).resolve()
+        spec = importlib.util.spec_from_file_location(f"hwtune_search_{file_hash(source_path)}", source_path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        ref = {"path": str(source_path)}
+    space = dict(getattr(module, "SPACE", {}) or {})
+    allowed = allowed_from_configs(getattr(module, "CONFIGS", None))
+    digest = file_hash(source_path)
+
+    def make(params: dict) -> Candidate:
+        return Candidate(Path(source_path), digest, dict(params), ref)
+
+    return space, allowed, make
+
+
+class Loop:
+    """State of one search run: memo of outcomes, ledger, executor. Strategies drive it."""
+
+    def __init__(self, *, kernel, device, shapes, dtype, ledger: Ledger, executor, fingerprint: dict,
+                 fingerprint_id: str, strategy: str, resume: bool, timeout_s, progress):
+        self.kernel, self.device, self.shapes, self.dtype = kernel, device, shapes, dtype
+        self.ledger, self.executor = ledger, executor
+        self.fingerprint, self.fingerprint_id = fingerprint, fingerprint_id
+        self.strategy, self.resume, self.timeout_s = strategy, resume, timeout_s
+        self.progress = progress
+        self.primary_dtype = get_spec(kernel).primary_dtype(device)
+        self.code_version = code_version()
+        self.git = git_describe()
+        self.run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        self.memo: dict[str, dict[str, Outcome]] = {}     # candidate ident -> shape key -> outcome
+        self.candidates: dict[str, Candidate] = {}
+        self.dtypes: dict[str, str] = {}                   # shape key -> dtype measured
+        self.evaluations = 0
+        self.resumed = 0
+        self.started = time.time()
+
+    # --- measuring ------------------------------------------------------------------------
+    def _dtype_of(self, shape: dict) -> str:
+        # the harness's rule: an explicit dtype, else the shape's pinned one, else the primary
+        return self.dtype or shape.get("dtype") or self.primary_dtype
+
+    def _from_ledger(self, cand: Candidate, shape: dict) -> Outcome | None:
+        row = self.ledger.lookup(kernel=self.kernel, dtype=self._dtype_of(shape), shape=shape,
+                                 source_hash=cand.source_hash, params=cand.params,
+                                 fingerprint=self.fingerprint_id, code_version=self.code_version)
+        if row is None:
+            return None
+        return Outcome(row["accepted"], row["candidate_ms"], row["stock_ms"], row["noise_band"],
+                       row["guard"], row["reason"] or "", row["flops"] or 0, row["bytes"] or 0)
+
+    def measure(self, cands: list[Candidate]) -> None:
+        """Make sure every candidate has an outcome on every shape (one job per candidate)."""
+        jobs, owners = [], []
+        for cand in cands:
+            self.candidates[cand.ident] = cand
+            known = self.memo.setdefault(cand.ident, {})
+            missing = []
+            for shape in self.shapes:
+                sk = _shape_key(shape)
+                if sk in known:
+                    continue
+                if self.resume:
+                    prior = self._from_ledger(cand, shape)
+                    if prior is not None:
+                        known[sk] = prior
+                        self.resumed += 1
+                        continue
+                missing.append(shape)
+            if missing:
+                jobs.append({"kernel": self.kernel, "source_path": str(cand.source_path),
+                             "params": cand.params, "device": self.device, "shapes": missing,
+                             "dtype": self.dtype, "timeout_s": self.timeout_s, "time_it": True})
+                owners.append((cand, missing))
+        width = max(1, int(getattr(self.executor, "width", 1)))
+        for i in range(0, len(jobs), width):
+            started = time.time()
+            verdicts = self.executor.map(jobs[i:i + width])
+            for (cand, missing), verdict in zip(owners[i:i + width], verdicts):
+                self.record(cand, missing, verdict, started)
+
+    def record(self, cand: Candidate, shapes: list[dict], verdict, started: float) -> None:
+        """Turn one verdict into outcomes and ledger rows (one per shape asked for)."""
+        from kernelsearch.harness.verdict import Verdict
+
+        if not isinstance(verdict, Verdict):
+            verdict = Verdict.from_json(verdict)
+        self.evaluations += 1
+        by_shape = {_shape_key(s.shape): s for s in verdict.shapes}
+        rows = []
+        for shape in shapes:
+            sk = _shape_key(shape)
+            sr = by_shape.get(sk)
+            ok = bool(verdict.accepted and sr is not None and sr.status == "ok"
+                      and math.isfinite(sr.candidate_ms))
+            out = Outcome(ok, sr.candidate_ms if sr else math.inf, sr.stock_ms if sr else math.inf,
+                          sr.noise_band if sr else None, None if ok else (verdict.guard or "timing"),
+                          verdict.reason if not ok else "", sr.flops if sr else 0, sr.bytes if sr else 0)
+            self.memo[cand.ident][sk] = out
+            dtype = sr.dtype if sr else self._dtype_of(shape)
+            self.dtypes[sk] = dtype
+            rows.append({"run_id": self.run_id, "kernel": self.kernel, "dtype": dtype,
+                         "shape": shape,
+                         "strategy": self.strategy, "source": json.dumps(cand.source_ref),
+                         "source_hash": cand.source_hash, "params": cand.params,
+                         "accepted": ok, "guard": out.guard, "reason": out.reason,
+                         "candidate_ms": out.candidate_ms, "stock_ms": out.stock_ms,
+                         "noise_band": out.noise_band, "flops": out.flops, "bytes": out.bytes,
+                         "fingerprint": self.fingerprint_id, "fingerprint_json": self.fingerprint,
+                         "code_version": self.code_version, "git_describe": self.git,
+                         "started_at": started, "finished_at": time.time()})
+        self.ledger.record(rows)
+        best = min((o.time_ms for o in self.memo[cand.ident].values()), default=math.inf)
+        status = "accepted" if verdict.accepted else f"rejected by {verdict.guard}: {verdict.reason[:100]}"
+        self.progress(f"[{self.evaluations}] {cand.source_path.name} {key(cand.params)} -> {status}"
+                      + (f" (fastest shape {best:.4f} ms)" if math.isfinite(best) else ""))
+
+    def objective(self, make: Callable[[dict], Candidate], shape: dict):
+        """The strategy's evaluate for one shape: points -> candidate_ms at that shape (inf = failed)."""
+        sk = _shape_key(shape)
+
+        def evaluate(points: list[dict]) -> list[float]:
+            cands = [make(p) for p in points]
+            self.measure(cands)
+            return [self.memo[c.ident][sk].time_ms for c in cands]
+
+        return evaluate
+
+    def best_so_far(self) -> list[dict]:
+        """Per shape: stock time and the fastest accepted candidate so far (for the agent)."""
+        rows = []
+        for shape in self.shapes:
+            sk = _shape_key(shape)
+            outs = [(o, ident) for ident, m in self.memo.items() if (o := m.get(sk))]
+            ok = [(o, ident) for o, ident in outs if o.accepted]
+            best = min(ok, key=lambda x: x[0].candidate_ms) if ok else None
+            stock = [o.stock_ms for o, _ in outs if math.isfinite(o.stock_ms)]
+            rows.append({"shape": shape, "stock_ms": min(stock) if stock else None,
+                         "best_ms": best[0].candidate_ms if best else None,
+                         "best_source_hash": self.candidates[best[1]].source_hash if best else None,
+                         "best_params": self.candidates[best[1]].params if best else None})
+        return rows
+
+    # --- choosing ---------------------------------------------------------------------------
+    def report(self, ceilings: dict | None) -> list[ShapeReport]:
+        from kernelsearch.harness.timing import keep
+        from kernelsearch.roofline import classify
+
+        reports = []
+        for shape in self.shapes:
+            sk = _shape_key(shape)
+            rep = ShapeReport(shape=shape, dtype=self.dtypes.get(sk, self._dtype_of(shape)))
+            best_ident, best_out = None, None
+            stock = []
+            for ident, outcomes in self.memo.items():
+                out = outcomes.get(sk)
+                if out is None:
+                    continue
+                rep.attempts += 1
+                label = "accepted" if out.accepted else (out.guard or "unknown")
+                rep.verdicts[label] = rep.verdicts.get(label, 0) + 1
+                if math.isfinite(out.stock_ms):
+                    stock.append(out.stock_ms)
+                if out.accepted and (best_out is None or out.candidate_ms < best_out.candidate_ms):
+                    best_ident, best_out = ident, out
+            rep.stock_ms = sorted(stock)[len(stock) // 2] if stock else math.inf
+            flops = bytes_ = 0
+            if best_out is not None:
+                cand = self.candidates[best_ident]
+                band = best_out.noise_band if best_out.noise_band is not None else DEFAULT_NOISE_BAND
+                # paired comparison: the winner's own stock timing, taken in the same child
+                rep.kept = keep(best_out.candidate_ms, best_out.stock_ms, band)
+                rep.speedup = (best_out.stock_ms / best_out.candidate_ms
+                               if math.isfinite(best_out.stock_ms) else None)
+                rep.best = {"params": cand.params, "source": cand.source_ref,
+                            "source_hash": cand.source_hash, "candidate_ms": best_out.candidate_ms,
+                            "stock_ms": _json_float(best_out.stock_ms), "noise_band": best_out.noise_band}
+                flops, bytes_ = best_out.flops, best_out.bytes
+            if ceilings and (flops or bytes_):
+                time_ms = rep.best["candidate_ms"] if rep.kept else rep.stock_ms
+                rep.bound, rep.pct_of_ceiling = classify(flops, bytes_, time_ms, ceilings)
+                rep.pct_of_ceiling = round(rep.pct_of_ceiling, 1)
+            reports.append(rep)
+        return reports
+
+
+def write_dispatch(path: Path, kernel: str, fingerprint: dict, fingerprint_id: str,
+                   reports: list[ShapeReport]) -> Path:
+    """Merge this run's winners into the device's table: this kernel's swept shapes are replaced."""
+    import torch
+    import triton
+
+    from kernelsearch.dispatch import DispatchTable
+
+    table = DispatchTable.load(path) if Path(path).exists() else DispatchTable.empty()
+    if table.data.get("fingerprint_id") not in (None, fingerprint_id):
+        table = DispatchTable.empty()
+    swept = {(r.dtype, _shape_key(r.shape)) for r in reports}
+    table.entries = [e for e in table.entries
+                     if not (e["kernel"] == kernel and (e["dtype"], canonical(e["shape"])) in swept)]
+    for r in reports:
+        if r.kept:
+            b = r.best
+            table.entries.append({
+                "kernel": kernel, "dtype": r.dtype,
+                "shape": {k: v for k, v in r.shape.items() if k != "dtype"},
+                "source": b["source"], "source_hash": b["source_hash"], "params": b["params"],
+                "candidate_ms": b["candidate_ms"], "stock_ms": b["stock_ms"],
+                "speedup": round(r.speedup, 4) if r.speedup else None, "noise_band": b["noise_band"]})
+    table.data.update(fingerprint_id=fingerprint_id, fingerprint=fingerprint,
+                      triton=triton.__version__, torch=torch.__version__, updated_at=time.time())
+    return table.save(path)
+
+
+def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device: str = "cpu",
+           dtype: str | None = None, shapes: list[dict] | None = None, resume: bool = False,
+           seed: int = 0, executor=None, ledger_path=None, dispatch_path=None,
+           timeout_s: float | None = None, source_path=None, ceilings: dict | None = None,
+           agent=None, progress: Callable[[str], None] = lambda line: None) -> SearchResult:
+    """Run one search; see the module docstring. `agent` is an AgentConfig for strategy "agent"."""
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+    from kernelsearch.fingerprint import collect, fingerprint_id
+    from kernelsearch.roofline import load_or_measure
+
+    state_dir = Path(state_dir)
+    spec = get_spec(kernel)
+    shapes = shapes or spec.shapes(device)
+    fp = collect(device)
+    fp_id = fingerprint_id(fp)
+    budget = parse_budget(budget)
+    if ceilings is None:
+        progress(f"roofline: ceilings for {fp_id} (measured once, then cached)")
+        ceilings = load_or_measure(state_dir / "roofline" / f"{fp_id}.json", device, fp_id)
+    ledger = Ledger(ledger_path or state_dir / "ledger.sqlite")
+    loop = Loop(kernel=kernel, device=device, shapes=shapes, dtype=dtype, ledger=ledger,
+                executor=executor or SequentialExecutor(), fingerprint=fp, fingerprint_id=fp_id,
+                strategy=strategy, resume=resume, timeout_s=timeout_s, progress=progress)
+    try:
+        space, allowed, make = template_candidate(kernel, source_path)
+        if strategy == "agent":
+            from kernelsearch.agent import agent_rounds
+
+            # the template's default point is the baseline the agent has to beat
+            loop.measure([make({})])
+            agent_rounds(loop, agent, spec=spec, rounds=budget, ceilings=ceilings,
+                         state_dir=state_dir, baseline_path=make({}).source_path)
+        else:
+            if strategy not in REGISTRY:
+                raise KeyError(f"unknown strategy {strategy!r}: expected one of "
+                               f"{', '.join(list(REGISTRY) + ['agent'])}")
+            for i, shape in enumerate(shapes):
+                progress(f"shape {i + 1}/{len(shapes)} {spec.describe(shape)}: {strategy}, budget {budget}")
+                REGISTRY[strategy](space, loop.objective(make, shape), budget,
+                                   random.Random(seed * 1_000_003 + i), allowed=allowed)
+        reports = loop.report(ceilings)
+        from kernelsearch.dispatch import table_path
+
+        out = Path(dispatch_path) if dispatch_path else table_path(state_dir, fp_id)
+        written = write_dispatch(out, kernel, fp, fp_id, reports)
+    finally:
+        ledger.close()
+    return SearchResult(kernel, device, strategy, fp_id, loop.run_id, reports, loop.evaluations,
+                        loop.resumed, str(written), ceilings, time.time() - loop.started)

@@ -1,0 +1,2 @@
+"""A scripted agent that exits cleanly without writing a candidate."""
+print("nothing to propose")

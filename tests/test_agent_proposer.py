@@ -1,0 +1,114 @@
+"""The agent proposer: context pack in, candidate file out, judged by the same harness.
+
+Scripted agents live in tests/agents/; they run as real child processes.
+"""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kernelsearch.agent import AgentConfig, _demote, context_notes, run_agent, write_context_pack
+from kernelsearch.ledger import Ledger
+from kernelsearch.search import search
+from kernelsearch.specs import get_spec
+
+from conftest import ROOT
+
+AGENTS = ROOT / "tests" / "agents"
+SHAPE = [{"M": 3, "N": 130}]
+H200 = {"device": "cuda", "gpu": "NVIDIA H200", "capability": "9.0", "sm_count": 132}
+
+
+def _agent(script, timeout_s=60.0):
+    return AgentConfig(argv=[sys.executable, str(AGENTS / script)], timeout_s=timeout_s)
+
+
+def _pack(work):
+    from kernelsearch.kernels import template_path
+
+    return write_context_pack(work, kernel="rmsnorm", spec=get_spec("rmsnorm"), shapes=SHAPE,
+                              dtype=None, device="cpu", fingerprint=H200,
+                              ceilings={"copy_gb_s": 4300.0, "matmul_tflops": 800.0},
+                              ledger_summary={"total": 0}, recent_attempts=[], best=[],
+                              baseline_path=template_path("rmsnorm"))
+
+
+def test_context_notes_follow_gpu_generation_and_model_family():
+    names = [p.name for p in context_notes(H200, "deepseek")]
+    assert names == ["README.md", "hopper-h100-h200.md", "deepseek-mla-sparse.md"]
+    rtx = [p.name for p in context_notes({"gpu": "NVIDIA GeForce RTX 4090", "capability": "8.9"})]
+    assert "consumer-no-nvlink.md" in rtx and "hopper-h100-h200.md" not in rtx
+    a100 = [p.name for p in context_notes({"gpu": "NVIDIA A100-SXM4-80GB", "capability": "8.0"}, "all")]
+    assert a100 == ["README.md", "ampere-a100.md", "llama-gqa.md", "deepseek-mla-sparse.md"]
+    assert [p.name for p in context_notes({"device": "cpu"})] == ["README.md", "llama-gqa.md"]
+
+
+def test_context_pack_holds_task_contract_notes_roofline_and_ledger(tmp_path):
+    written = _pack(tmp_path)
+    assert {"TASK.md", "baseline.py", "roofline.json", "ledger.json", "best.json",
+            "context/hopper-h100-h200.md"} <= set(written)
+    task = (tmp_path / "TASK.md").read_text()
+    assert "launch(x, weight, eps, out" in task and '"M": 3' in task
+    assert json.loads((tmp_path / "roofline.json").read_text())["copy_gb_s"] == 4300.0
+
+
+def test_agent_that_writes_a_file_hands_back_its_candidate(tmp_path):
+    _pack(tmp_path)
+    outcome = run_agent(_agent("copy_baseline.py"), tmp_path)
+    assert outcome.status == "ok" and outcome.candidate_path == tmp_path / "candidate.py"
+
+
+def test_agent_that_hangs_is_killed_with_its_children_and_reported_as_timeout(tmp_path):
+    outcome = run_agent(_agent("hang.py", timeout_s=2), tmp_path)
+    assert outcome.status == "timeout" and "2 s" in outcome.reason
+    helper = int((tmp_path / "helper.pid").read_text())
+    for _ in range(50):   # SIGKILL is asynchronous; the helper is reaped by init
+        stat = Path(f"/proc/{helper}/stat")
+        if not stat.exists() or stat.read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"agent's helper {helper} survived the timeout")
+
+
+def test_agent_that_writes_nothing_or_cannot_start_is_a_verdict(tmp_path):
+    assert run_agent(_agent("silent.py"), tmp_path).status == "missing"
+    broken = run_agent(AgentConfig(argv=[str(tmp_path / "no-such-agent")]), tmp_path)
+    assert broken.status == "failed" and "cannot start" in broken.reason
+
+
+def test_agent_user_is_dropped_to_only_when_running_as_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert _demote("nobody") is None
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert _demote("nobody") == "nobody" and _demote(None) is None
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="checks the path that does not drop privileges")
+def test_agent_user_is_ignored_when_not_root(tmp_path):
+    config = _agent("silent.py")
+    config.user = "nobody"
+    assert run_agent(config, tmp_path).status == "missing"   # ran as us, no chown attempted
+
+
+def test_agent_rounds_go_through_the_harness_and_every_outcome_is_a_ledger_row(tmp_path):
+    state = tmp_path / "state"
+    common = dict(state_dir=state, strategy="agent", budget=1, device="cpu", shapes=SHAPE,
+                  ceilings={"copy_gb_s": 10.0, "matmul_tflops": 0.1}, timeout_s=120)
+    good = search("rmsnorm", agent=_agent("copy_baseline.py"), **common)
+    # baseline + the agent's candidate, each one child run
+    assert good.evaluations == 2
+    # later rounds resume the baseline from the ledger: only the agents' own work is new
+    search("rmsnorm", agent=_agent("garbage.py"), resume=True, **common)
+    search("rmsnorm", agent=_agent("hang.py", timeout_s=2), resume=True, **common)
+    with Ledger(state / "ledger.sqlite") as ledger:
+        rows = ledger.attempts(kernel="rmsnorm")
+    assert [(r["strategy"], r["accepted"]) for r in rows][:2] == [("agent", True), ("agent", True)]
+    assert rows[2]["guard"] == "static" and not rows[2]["accepted"]
+    assert rows[3]["guard"] == "agent" and "killed after 2 s" in rows[3]["reason"]
+    assert len(rows) == 4
+    kept = list((state / "candidates").glob("rmsnorm-*.py"))
+    assert len(kept) == 2  # the good and the garbage file are kept for inspection

@@ -1,0 +1,39 @@
+"""`hwtune search` end to end on the CPU: real harness children under the Triton interpreter."""
+import json
+import sqlite3
+
+from conftest import run_hwtune
+
+ARGS = ("search", "rmsnorm", "--device", "cpu", "--budget", "2", "--shape", "M=5,N=1000",
+        "--shape", "M=3,N=130,dtype=bfloat16", "--timeout-s", "120")
+
+
+def test_search_records_every_attempt_reports_per_shape_and_resumes(tmp_path):
+    state = tmp_path / "state"
+    first = run_hwtune("--state-dir", state, *ARGS, "--strategy", "grid", "--json",
+                       check=True, timeout=600)
+    doc = json.loads(first.stdout)
+    assert "shape 1/2" in first.stderr and "[1] rmsnorm.py" in first.stderr   # progress on stderr
+    # grid points are the same for both shapes: one child per point covers both
+    assert doc["evaluations"] == 2 and [s["dtype"] for s in doc["shapes"]] == ["float32", "bfloat16"]
+    for shape in doc["shapes"]:
+        assert shape["attempts"] == 2 and sum(shape["verdicts"].values()) == 2
+    rows = sqlite3.connect(state / "ledger.sqlite").execute(
+        "SELECT COUNT(*), COUNT(DISTINCT params) FROM attempts").fetchone()
+    assert rows == (4, 2)
+    table = json.loads(open(doc["table_path"]).read())
+    assert table["fingerprint_id"] == doc["fingerprint_id"] and "triton" in table
+    # the interpreter is never faster than torch: nothing may be dispatched to the template
+    assert table["entries"] == []
+
+    again = run_hwtune("--state-dir", state, *ARGS, "--strategy", "grid", "--resume",
+                       check=True, timeout=600)
+    assert "0 child runs (4 results resumed from the ledger)" in again.stdout
+    assert "stock ms" in again.stdout and "M=3 N=130" in again.stdout
+
+
+def test_unknown_kernel_and_agent_without_command_are_usage_errors(tmp_path):
+    assert run_hwtune("--state-dir", tmp_path, "search", "nosuch", "--device", "cpu").returncode == 2
+    proc = run_hwtune("--state-dir", tmp_path, "search", "rmsnorm", "--device", "cpu",
+                      "--strategy", "agent")
+    assert proc.returncode == 2 and "--agent-command" in proc.stderr

@@ -1,0 +1,104 @@
+"""The search loop's own decisions, driven through its executor interface by a scripted executor.
+
+(The real harness in child processes is exercised by test_search_cli.py and
+test_agent_proposer.py; here the verdicts are scripted so the keep / revert rule is exact.)
+"""
+import json
+
+from kernelsearch.dispatch import DispatchTable
+from kernelsearch.harness.verdict import ShapeResult, Verdict
+from kernelsearch.ledger import Ledger
+from kernelsearch.search import search
+
+FAST, CLOSE, BROKEN = {"M": 4096, "N": 4096}, {"M": 16, "N": 4096}, {"M": 1, "N": 4096}
+SHAPES = [FAST, CLOSE, BROKEN]
+CEILINGS = {"copy_gb_s": 4300.0, "matmul_tflops": 800.0}
+
+
+class ScriptedExecutor:
+    """Answers like the harness would: per shape a time, stock at 1.0 ms, noise band 5%."""
+    width = 2
+
+    def __init__(self):
+        self.jobs = []
+
+    def _time(self, params, shape):
+        if shape == BROKEN:
+            return None
+        gain = 0.5 if shape == FAST else 0.99   # CLOSE never beats stock by the noise band
+        return gain + 0.01 * params["ROWS_PER_PROG"] + 0.001 * params["num_warps"]
+
+    def map(self, jobs):
+        self.jobs.extend(jobs)
+        verdicts = []
+        for job in jobs:
+            results, accepted = [], True
+            for shape in job["shapes"]:
+                t = self._time(job["params"], shape)
+                accepted &= t is not None
+                results.append(ShapeResult(shape=shape, dtype="bfloat16", status="ok" if t else "rejected",
+                                           candidate_ms=t or float("inf"), stock_ms=1.0, noise_band=0.05,
+                                           flops=4 * shape["M"] * shape["N"], bytes=4 * shape["M"] * shape["N"]))
+            if accepted:
+                verdicts.append(Verdict(True, shapes=results, params=job["params"]))
+            else:  # the harness rejects the whole candidate: JSON, as a worker would ship it
+                verdicts.append(Verdict(False, "correctness", "rel L2 0.5 > 0.01 on M=1", shapes=results,
+                                        params=job["params"]).to_json())
+        return verdicts
+
+
+def _run(tmp_path, executor, **kw):
+    return search("rmsnorm", state_dir=tmp_path, strategy="grid", budget=6, device="cpu",
+                  dtype="bfloat16", shapes=SHAPES, executor=executor, ceilings=CEILINGS, **kw)
+
+
+def test_each_point_is_one_job_over_every_shape_and_every_pair_is_a_ledger_row(tmp_path):
+    ex = ScriptedExecutor()
+    result = _run(tmp_path, ex)
+    assert len(ex.jobs) == 6 == result.evaluations        # grid points are shared by all shapes
+    assert all(job["shapes"] == SHAPES for job in ex.jobs)
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        assert ledger.summary()["total"] == 6 * 3
+
+
+def test_a_rejected_candidate_wins_nowhere_even_on_shapes_it_passed(tmp_path):
+    # BROKEN is in every job, so every candidate is rejected as a whole: nothing is kept
+    result = _run(tmp_path, ScriptedExecutor())
+    assert [r.kept for r in result.shapes] == [False, False, False]
+    assert result.shapes[0].verdicts == {"correctness": 6}
+
+
+def test_winner_kept_only_when_faster_than_stock_by_more_than_the_noise_band(tmp_path):
+    result = search("rmsnorm", state_dir=tmp_path, strategy="grid", budget=6, device="cpu",
+                    dtype="bfloat16", shapes=[FAST, CLOSE], executor=ScriptedExecutor(),
+                    ceilings=CEILINGS)
+    fast, close = result.shapes
+    assert fast.kept and fast.speedup > 1.9 and fast.best["params"]["ROWS_PER_PROG"] == 1
+    assert fast.bound == "memory" and fast.pct_of_ceiling > 0
+    assert not close.kept and close.best is not None        # measured, but within the noise
+    table = json.loads(open(result.table_path).read())
+    assert [e["shape"] for e in table["entries"]] == [FAST]
+    assert table["entries"][0]["source"] == {"module": "kernelsearch.kernels.rmsnorm"}
+    assert DispatchTable.load(result.table_path).lookup("rmsnorm", FAST, "bfloat16")["speedup"] > 1.9
+
+
+def test_resume_skips_everything_already_in_the_ledger(tmp_path):
+    _run(tmp_path, ScriptedExecutor())
+    again = ScriptedExecutor()
+    result = _run(tmp_path, again, resume=True)
+    assert again.jobs == [] and result.evaluations == 0 and result.resumed == 6 * 3
+    assert result.shapes[0].attempts == 6
+
+
+def test_dispatch_table_keeps_other_kernels_entries(tmp_path):
+    out = tmp_path / "table.json"
+    first = search("rmsnorm", state_dir=tmp_path, strategy="grid", budget=2, device="cpu",
+                   dtype="bfloat16", shapes=[FAST], executor=ScriptedExecutor(), ceilings=CEILINGS,
+                   dispatch_path=out)
+    table = json.loads(out.read_text())
+    table["entries"].append({"kernel": "softmax", "dtype": "bfloat16", "shape": FAST, "params": {}})
+    out.write_text(json.dumps(table))
+    search("rmsnorm", state_dir=tmp_path, strategy="random", budget=2, device="cpu", dtype="bfloat16",
+           shapes=[FAST], executor=ScriptedExecutor(), ceilings=CEILINGS, dispatch_path=out)
+    kernels = sorted(e["kernel"] for e in json.loads(out.read_text())["entries"])
+    assert kernels == ["rmsnorm", "softmax"] and first.fingerprint_id in out.read_text()
