@@ -89,3 +89,26 @@ def test_points_the_template_refuses_are_never_measured(name):
     replay = Replay()
     trials = REGISTRY[name](SPACE, replay, 30, random.Random(2), allowed=allowed)
     assert len(trials) == 30 and all(allowed(t.params) for t in trials)
+
+
+def test_replay_bench_counts_evaluations_to_reach_two_percent_of_the_exhaustive_best(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    configs = [{"params": p, "time_ms": (t if math.isfinite(t) else "inf")}
+               for p, t in ((p, TABLE[key(p)]) for p in points(SPACE))]
+    recorded = tmp_path / "kernels_gpu.json"
+    recorded.write_text(json.dumps({"kernels": {"rmsnorm": {"shapes": [
+        {"shape": {"M": 4096, "N": 4096}, "configs": configs}]}}}))
+    out = tmp_path / "replay.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "replay_strategies.py"), str(recorded),
+                           "--seeds", "4", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["space"] == size(SPACE) and row["failed"] == sum(math.isinf(t) for t in TABLE.values())
+    for name in REGISTRY:
+        assert row[name]["missed"] == 0 and 1 <= row[name]["mean"] <= size(SPACE)
+    assert "within 2% of the exhaustive best" in proc.stdout

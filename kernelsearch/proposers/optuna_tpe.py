@@ -13,6 +13,7 @@ import random
 from kernelsearch.proposers.space import Allowed, Evaluate, Space, Trial, domain, key, run_batch
 
 FAILED_VALUE = 1e30
+MAX_MISSES = 5   # refused or repeated proposals in a row before an unseen point is enqueued
 
 
 def search(space: Space, evaluate: Evaluate, budget: int, rng: random.Random,
@@ -20,24 +21,34 @@ def search(space: Space, evaluate: Evaluate, budget: int, rng: random.Random,
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    budget = min(budget, len(domain(space, allowed)))
     sampler = optuna.samplers.TPESampler(seed=rng.randrange(2**31),
                                          n_startup_trials=max(3, min(10, budget // 4)))
     study = optuna.create_study(direction="minimize", sampler=sampler)
     distributions = {n: optuna.distributions.CategoricalDistribution(space[n]) for n in sorted(space)}
+    budget = min(budget, len(domain(space, allowed)))
     trials: list[Trial] = []
     known: dict[str, float] = {}
-    asks = 0
-    while len(trials) < budget and asks < 20 * budget:
-        asks += 1
+    grid = domain(space, allowed)
+    misses = 0
+    while len(trials) < budget:
+        if misses >= MAX_MISSES:
+            # TPE keeps landing on refused or known points (small or sparse domain):
+            # hand it an unseen point so the run always progresses
+            unseen = [p for p in grid if key(p) not in known]
+            study.enqueue_trial(rng.choice(unseen))
+            misses = 0
         t = study.ask(distributions)
         params = {n: t.params[n] for n in sorted(space)}
         k = key(params)
         if allowed is not None and not allowed(params):
             study.tell(t, FAILED_VALUE)  # never measured, never counted against the budget
+            misses += 1
             continue
-        if k not in known:
+        if k in known:
+            misses += 1
+        else:
             known[k] = run_batch(evaluate, [params], trials)[0]
+            misses = 0
         value = known[k]
         study.tell(t, value if math.isfinite(value) else FAILED_VALUE)
     return trials
