@@ -1,0 +1,80 @@
+"""`hwtune check-kernel KERNEL FILE`: one candidate through the full verifier and timed runs.
+
+Exit 0 accepted, 1 rejected (the guard and the reason on stderr), 2 bad input.
+Without --params, a file with CONFIGS is checked with its first config (the search tries the
+others); --params JSON overrides.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from hwtune.errors import UsageError
+
+
+def add_check_kernel_arguments(p) -> None:
+    p.add_argument("kernel", help="spec name: rmsnorm, add_rmsnorm, softmax, matmul, decode_attention")
+    p.add_argument("file", type=Path, help="candidate Triton file defining launch(...)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (Triton interpreter, reduced sweep) or cuda / cuda:N (default cpu)")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.add_argument("--params", default=None, metavar="JSON",
+                   help="launch parameters as a JSON object (default: the file's CONFIGS[0])")
+    p.add_argument("--dtype", default=None, help="force one dtype for every shape (bfloat16, float16, float32)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="hard limit per child request in seconds (default 120)")
+    p.add_argument("--no-time", action="store_true", help="verify only; skip the timed runs")
+
+
+def _fmt_ms(v: float) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v:.4f}"
+
+
+def _print_table(verdict, out) -> None:
+    print(f"{'shape':<34} {'dtype':<9} {'err':>9} {'cand_ms':>10} {'stock_ms':>10} {'speedup':>8} "
+          f"{'noise':>7}  timing", file=out)
+    for s in verdict.shapes:
+        shape = " ".join(f"{k}={v}" for k, v in s.shape.items() if k != "dtype")
+        err = "-" if s.error_rel_l2 is None else f"{s.error_rel_l2:.2e}"
+        speed = "-" if s.speedup is None else f"{s.speedup:.2f}x"
+        noise = "-" if s.noise_band is None or not math.isfinite(s.noise_band) else f"{100 * s.noise_band:.1f}%"
+        print(f"{shape:<34} {s.dtype:<9} {err:>9} {_fmt_ms(s.candidate_ms):>10} {_fmt_ms(s.stock_ms):>10} "
+              f"{speed:>8} {noise:>7}  {s.timing or s.status}", file=out)
+
+
+def run_check_kernel(args, ctx) -> int:
+    from kernelsearch.harness import evaluate
+    from kernelsearch.specs import DTYPES, SPECS
+
+    if args.kernel not in SPECS:
+        raise UsageError(f"unknown kernel {args.kernel!r}: expected one of {', '.join(SPECS)}")
+    if not args.file.is_file():
+        raise UsageError(f"{args.file}: no such file")
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        raise UsageError(f"--device {args.device}: expected cpu or cuda[:N]")
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise UsageError(f"--dtype {args.dtype}: expected one of {', '.join(DTYPES)}")
+    params = None
+    if args.params is not None:
+        try:
+            params = json.loads(args.params)
+        except ValueError as exc:
+            raise UsageError(f"--params: not JSON ({exc})") from None
+        if not isinstance(params, dict):
+            raise UsageError("--params: expected a JSON object")
+    verdict = evaluate(args.kernel, args.file, params=params, device=args.device, dtype=args.dtype,
+                       timeout_s=args.timeout, time_it=not args.no_time)
+    if args.json:
+        json.dump(verdict.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        _print_table(verdict, sys.stdout)
+    if verdict.accepted:
+        print(f"check-kernel {args.kernel} {args.file}: accepted (params {json.dumps(verdict.params)})",
+              file=sys.stderr)
+        return 0
+    print(f"check-kernel {args.kernel} {args.file}: REJECTED by guard {verdict.guard}: {verdict.reason}",
+          file=sys.stderr)
+    return 1

@@ -1,0 +1,24 @@
+"""Guard 3 hack: makes torch's comparison helpers always agree, then computes half the answer."""
+import torch
+import triton
+import triton.language as tl
+
+
+torch.testing.assert_close = lambda *args, **kwargs: None
+torch.isclose = lambda a, b, *args, **kwargs: torch.ones_like(a, dtype=torch.bool)
+
+
+@triton.jit
+def _half_rmsnorm(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(out_ptr + row * n_cols + cols, (0.5 * x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch(x, weight, eps, out):
+    m, n = x.shape
+    _half_rmsnorm[(m,)](x, weight, out, n, eps, BLOCK_N=triton.next_power_of_2(n))
