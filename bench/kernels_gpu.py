@@ -3,7 +3,7 @@ exhaustively over their CONFIGS, against torch eager, eager in a CUDA graph, tor
 cuBLAS / SDPA, Liger Kernel and a Triton-autotune-style pick over the same CONFIGS.
 
     python3 bench/kernels_gpu.py [--kernels rmsnorm,matmul] [--quick] [--out DIR]
-                                 [--total-budget-s 400] [--budget-s 120]
+                                 [--total-budget-s 360] [--budget-s 150]
     python3 bench/kernels_gpu.py --device cpu --quick      # smoke test under the interpreter
 
 Writes to --out (default $OUT, else ./out/kernels_gpu):
@@ -898,7 +898,7 @@ def parse(argv=None):
     ap.add_argument("--quick", action="store_true", help="two shapes per kernel, few configs")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "out" / "kernels_gpu"))
     ap.add_argument("--total-budget-s", type=float, default=None,
-                    help="wall-clock budget for the whole run (default 390, quick 150)")
+                    help="wall-clock budget for the whole run (default 360, quick 150)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="cap on one kernel's budget")
     ap.add_argument("--max-configs", type=int, default=None, help="cap on configs per kernel")
     ap.add_argument("--precompile-workers", type=int, default=None,
@@ -912,7 +912,7 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
-    total = args.total_budget_s or (150.0 if args.quick else 390.0)
+    total = args.total_budget_s or (150.0 if args.quick else 360.0)
     if args.max_configs is None:
         args.max_configs = 12 if args.quick else (6 if args.device == "cpu" else 10 ** 6)
     deadline = _T0 + total

@@ -41,10 +41,27 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _vec_width(elem_size: int, *ints: int) -> int:
+    """Largest power of two (up to one 16-byte vector) dividing every int. Passed as a
+    constexpr so that Triton can prove row starts and the column mask are vector-aligned
+    (it specializes ints only for divisibility by 16: N=3000 would otherwise load 2 bytes
+    at a time)."""
+    v = max(1, 16 // elem_size)
+    while v > 1 and any(i % v for i in ints):
+        v //= 2
+    return v
+
+
 @triton.jit(do_not_specialize=["M", "num_tiles"])
-def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, M, N,
-                        stride_xm, stride_rm, stride_om, stride_rom, eps, num_tiles,
-                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, M, n_v,
+                        sx_v, sr_v, so_v, sro_v, eps, num_tiles,
+                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+                        VEC: tl.constexpr):
+    N = n_v * VEC
+    stride_xm = sx_v * VEC
+    stride_rm = sr_v * VEC
+    stride_om = so_v * VEC
+    stride_rom = sro_v * VEC
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     row_ids = tl.arange(0, ROWS)
@@ -109,9 +126,10 @@ def launch(x, residual, weight, eps, out, residual_out, ROWS_PER_PROG=1, BLOCK_N
         raise ValueError(f"tile {ROWS_PER_PROG}x{block_n} exceeds {MAX_TILE_ELEMS} elements")
     num_tiles = triton.cdiv(M, ROWS_PER_PROG)
     grid = num_tiles if PROGRAMS_PER_SM == 0 else min(num_tiles, _sm_count(x.device) * PROGRAMS_PER_SM)
-    _add_rmsnorm_kernel[(grid,)](x, residual, weight, out, residual_out, M, N,
-                                 x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
-                                 float(eps), num_tiles,
-                                 ROWS=ROWS_PER_PROG, BLOCK_N=block_n, ONE_PASS=one_pass,
+    strides = (x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0))
+    vec = _vec_width(x.element_size(), N, *strides)
+    _add_rmsnorm_kernel[(grid,)](x, residual, weight, out, residual_out, M, N // vec,
+                                 *(st // vec for st in strides), float(eps), num_tiles,
+                                 ROWS=ROWS_PER_PROG, BLOCK_N=block_n, ONE_PASS=one_pass, VEC=vec,
                                  num_warps=num_warps, num_stages=num_stages)
     return out, residual_out

@@ -136,6 +136,6 @@ def launch(q, k_cache, v_cache, seq_lens, scale, out, BLOCK_S=64, NUM_SPLITS=8, 
         BLOCK_G=block_g, BLOCK_S=BLOCK_S, BLOCK_D=block_d, UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages)
     _combine_kernel[(B * Hq,)](m_ws, l_ws, acc_ws, out, Hq, D, splits, out.stride(0), out.stride(1),
-                               BLOCK_SPLITS=triton.next_power_of_2(splits), BLOCK_D=block_d,
+                               BLOCK_SPLITS=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
                                num_warps=4)
     return out

@@ -46,9 +46,24 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _vec_width(elem_size: int, *ints: int) -> int:
+    """Largest power of two (up to one 16-byte vector) dividing every int. Passed as a
+    constexpr so that Triton can prove row starts and the column mask are vector-aligned
+    (it specializes ints only for divisibility by 16: N=3000 would otherwise load 2 bytes
+    at a time)."""
+    v = max(1, 16 // elem_size)
+    while v > 1 and any(i % v for i in ints):
+        v //= 2
+    return v
+
+
 @triton.jit(do_not_specialize=["M", "num_tiles"])
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_om, eps, num_tiles,
-                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, M, n_v, sx_v, so_v, eps, num_tiles,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+                    VEC: tl.constexpr):
+    N = n_v * VEC
+    stride_xm = sx_v * VEC
+    stride_om = so_v * VEC
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     row_ids = tl.arange(0, ROWS)
@@ -96,7 +111,8 @@ def launch(x, weight, eps, out, ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=0,
         raise ValueError(f"tile {ROWS_PER_PROG}x{block_n} exceeds {MAX_TILE_ELEMS} elements")
     num_tiles = triton.cdiv(M, ROWS_PER_PROG)
     grid = num_tiles if PROGRAMS_PER_SM == 0 else min(num_tiles, _sm_count(x.device) * PROGRAMS_PER_SM)
-    _rmsnorm_kernel[(grid,)](x, weight, out, M, N, x.stride(0), out.stride(0), float(eps), num_tiles,
-                             ROWS=ROWS_PER_PROG, BLOCK_N=block_n, ONE_PASS=one_pass,
-                             num_warps=num_warps, num_stages=num_stages)
+    vec = _vec_width(x.element_size(), N, x.stride(0), out.stride(0))
+    _rmsnorm_kernel[(grid,)](x, weight, out, M, N // vec, x.stride(0) // vec, out.stride(0) // vec,
+                             float(eps), num_tiles, ROWS=ROWS_PER_PROG, BLOCK_N=block_n,
+                             ONE_PASS=one_pass, VEC=vec, num_warps=num_warps, num_stages=num_stages)
     return out
