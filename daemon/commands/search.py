@@ -100,6 +100,11 @@ def run_search(args, ctx) -> int:
         budget = parse_budget(args.budget)
     except ValueError:
         raise UsageError(f"--budget {args.budget!r}: a number or small|medium|large|all") from None
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: torch sees no CUDA GPU (use --device cpu for the interpreter)")
     agent = None
     if args.strategy == "agent":
         if not args.agent_command:
