@@ -55,7 +55,8 @@ def test_tiny_model_bench_on_cpu_measures_prefill_and_decode_with_a_fingerprint(
     assert json.loads((out / "run" / "results.json").read_text())["label"] == "cpu"
 
 
-def test_decode_with_the_kv_cache_matches_a_full_recompute():
+@pytest.mark.parametrize("attention", ["sdpa", "bmm"])
+def test_decode_with_the_kv_cache_matches_a_full_recompute(attention):
     torch.manual_seed(0)
     t_total, t_prompt, batch = 12, 5, 2
     tokens = torch.randint(1, PRESETS["tiny"].vocab, (batch, t_total))
@@ -70,7 +71,7 @@ def test_decode_with_the_kv_cache_matches_a_full_recompute():
     for t in range(t_prompt, t_total):
         positions = torch.full((batch,), t, dtype=torch.int64)
         assert (model.kv[:, :, :, :, t] == SENTINEL).all()
-        logits = model.decode_step(tokens[:, t], positions, StockOps())
+        logits = model.decode_step(tokens[:, t], positions, StockOps(attention))
         assert model.kv is cache and model.kv.data_ptr() == ptr  # updated in place
         assert not (model.kv[:, :, :, :, t] == SENTINEL).any()
         torch.testing.assert_close(logits, expected[:, t], rtol=1e-4, atol=1e-4)

@@ -6,8 +6,9 @@ Layout choices that make the decode step lean and graph-capturable:
 - a static KV cache [L, 2, B, Hkv, S_max, D] (K and V of a layer side by side, each
   [B, Hkv, S_max, D] contiguous) written in place at device-tensor positions, so one
   captured step can be replayed without any host-side state;
-- RoPE in the decode step is one batched matmul per layer by a per-position rotation
-  matrix built once per step (instead of a handful of element-wise launches per layer);
+- RoPE in the decode step is one batched matmul per layer (q and k heads together) by a
+  per-position rotation matrix gathered once per step from a table (instead of a handful of
+  element-wise launches per layer);
 - every op with a tunable kernel goes through an `ops` object (see daemon/bench/ops.py).
 """
 from __future__ import annotations
@@ -116,15 +117,20 @@ class Model:
         self.rot = _rotate_half_matrix(d, torch.float32, self.device)
         self.scale = 1.0 / math.sqrt(d)
         self.kv: torch.Tensor | None = None
+        self.rope_table: torch.Tensor | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
     def allocate_cache(self, batch: int, s_max: int) -> torch.Tensor:
         c = self.cfg
         self.kv = None  # free the old one first: the big configs do not fit twice
+        if self.rope_table is not None and self.rope_table.shape[0] < s_max:
+            self.rope_table = None
         # Zeros, not empty: stock masked attention multiplies masked-out V rows by 0, and
         # 0 * NaN garbage would still be NaN.
         self.kv = torch.zeros(c.layers, 2, batch, c.kv_heads, s_max, c.head_dim,
                               device=self.device, dtype=self.dtype)
+        if self.rope_table is None:
+            self.rope_table = self._build_rope_table(s_max)
         return self.kv
 
     def fill_cache_random(self, seed: int = 1) -> None:
@@ -146,10 +152,22 @@ class Model:
         return ang.cos(), ang.sin()
 
     def rope_matrices(self, positions: torch.Tensor) -> torch.Tensor:
-        """[B, D, D] with x @ R == x * cos + rotate_half(x) * sin at each sequence's position."""
-        cos, sin = self._cos_sin(positions)
-        r = torch.diag_embed(cos) + self.rot[None] * sin[:, None, :]
-        return r.to(self.dtype)
+        """[B, D, D] with x @ R == x * cos + rotate_half(x) * sin at each sequence's position.
+
+        Gathered from a table built with the cache (one launch per step instead of ~6);
+        S_max * D * D elements: 270 MB in bf16 for S_max 8256, D 128."""
+        if self.rope_table is None or self.rope_table.shape[0] < self.kv.shape[4]:
+            self.rope_table = self._build_rope_table(self.kv.shape[4])
+        return self.rope_table.index_select(0, positions)
+
+    def _build_rope_table(self, s_max: int) -> torch.Tensor:
+        d = self.cfg.head_dim
+        table = torch.empty(s_max, d, d, device=self.device, dtype=self.dtype)
+        for lo in range(0, s_max, 1024):  # chunks: bounded fp32 temporaries
+            pos = torch.arange(lo, min(lo + 1024, s_max), device=self.device)
+            cos, sin = self._cos_sin(pos)
+            table[lo:lo + pos.shape[0]] = torch.diag_embed(cos) + self.rot[None] * sin[:, None, :]
+        return table
 
     # ---- forward --------------------------------------------------------------------------
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, ops) -> torch.Tensor:
@@ -163,7 +181,7 @@ class Model:
         hq, hkv, d = c.heads, c.kv_heads, c.head_dim
         seq_lens = (positions + 1).to(torch.int32)
         rope = self.rope_matrices(positions)
-        mask = ops.attention_mask(seq_lens, kv.shape[4])
+        mask = ops.attention_mask(seq_lens, kv.shape[4], self.dtype)
         batch_idx = torch.arange(b, device=tokens.device)
         h = self.embedding.index_select(0, tokens)
         residual = None

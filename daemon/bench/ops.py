@@ -25,7 +25,17 @@ SUBSTITUTED = ("rmsnorm", "add_rmsnorm", "matmul", "decode_attention")
 
 
 class StockOps:
+    """torch ops. `attention`: "sdpa" (the q heads of one kv head become that head's query
+    rows, one fused kernel) or "bmm" (baddbmm with the mask + softmax + bmm: cuBLAS spreads the
+    score GEMM over the cache length, where SDPA's mem-efficient kernel gets only B*Hkv blocks).
+    The bench times both at each shape and gives every variant the faster one."""
+
     name = "stock"
+
+    def __init__(self, attention: str = "sdpa"):
+        if attention not in ("sdpa", "bmm"):
+            raise ValueError(f"stock attention {attention!r}: expected sdpa or bmm")
+        self.attention = attention
 
     def rmsnorm(self, x, weight, eps):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -41,21 +51,28 @@ class StockOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def attention_mask(self, seq_lens, s_max):
-        # Built once per step and shared by every layer's stock attention.
-        return (torch.arange(s_max, device=seq_lens.device)[None, :]
-                < seq_lens[:, None]).view(seq_lens.shape[0], 1, 1, s_max)
+    def attention_mask(self, seq_lens, s_max, dtype):
+        """Additive mask [B, 1, 1, S_max], built once per step and shared by every layer."""
+        valid = torch.arange(s_max, device=seq_lens.device)[None, :] < seq_lens[:, None]
+        zero = torch.zeros((), dtype=dtype, device=seq_lens.device)
+        return torch.where(valid, zero, float("-inf")).view(seq_lens.shape[0], 1, 1, s_max)
 
     def decode_attention(self, q, k_cache, v_cache, seq_lens, scale, mask=None):
-        """q [B, Hq, D]; caches [B, Hkv, S_max, D]. The q heads of one kv head become that
-        head's "query positions", so SDPA reads each cache once (no repeat_interleave)."""
+        """q [B, Hq, D]; caches [B, Hkv, S_max, D]; each cache is read once (no repeat)."""
         b, hq, d = q.shape
-        hkv = k_cache.shape[1]
+        hkv, s = k_cache.shape[1], k_cache.shape[2]
+        g = hq // hkv
         if mask is None:
-            mask = self.attention_mask(seq_lens, k_cache.shape[2])
-        out = F.scaled_dot_product_attention(q.reshape(b, hkv, hq // hkv, d), k_cache, v_cache,
-                                             attn_mask=mask, scale=scale)
-        return out.reshape(b, hq, d)
+            mask = self.attention_mask(seq_lens, s, q.dtype)
+        if self.attention == "sdpa":
+            out = F.scaled_dot_product_attention(q.reshape(b, hkv, g, d), k_cache, v_cache,
+                                                 attn_mask=mask, scale=scale)
+            return out.reshape(b, hq, d)
+        bias = mask.expand(b, hkv, g, s).reshape(b * hkv, g, s)
+        scores = torch.baddbmm(bias, q.reshape(b * hkv, g, d),
+                               k_cache.view(b * hkv, s, d).transpose(1, 2), alpha=scale)
+        probs = torch.softmax(scores, dim=-1)
+        return torch.bmm(probs, v_cache.view(b * hkv, s, d)).view(b, hq, d)
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -105,9 +122,10 @@ def load_table(path):
 # the template's own CONFIGS contains them). Why: the first config of matmul is a prefill
 # tile; a weight-streaming GEMV needs split-K to put >= 132 programs on an H200 when N is small.
 HINTS = {
+    # [BLOCK_K, BLOCK_N] bf16 slabs x stages must fit Hopper's 227 KB of shared memory.
     "matmul": [dict(variant="splitk", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, SPLIT_K=sk,
-                    FMA=0, num_warps=4, num_stages=4)
-               for bn, sk in ((128, 1), (128, 4), (128, 8), (64, 16), (256, 1))]
+                    FMA=0, num_warps=4, num_stages=st)
+               for bn, sk, st in ((128, 1, 4), (128, 4, 4), (128, 8, 4), (64, 16, 4), (256, 1, 2))]
     + [dict(variant="splitk", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, SPLIT_K=4,
             FMA=1, num_warps=4, num_stages=4)],
     "rmsnorm": [dict(ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=0, num_warps=w, num_stages=1)
@@ -157,7 +175,9 @@ class TunedOps(StockOps):
 
     name = "tuned"
 
-    def __init__(self, table=None, table_note: str = "", kernel_dir=KERNEL_DIR, quick_pick: int = 1):
+    def __init__(self, table=None, table_note: str = "", kernel_dir=KERNEL_DIR, quick_pick: int = 1,
+                 attention: str = "sdpa"):
+        super().__init__(attention)
         self.table, self.table_note, self.kernel_dir = table, table_note, kernel_dir
         self.quick_pick = max(1, int(quick_pick))
         self.routes: dict[tuple, object] = {}   # (op, shape key) -> fn(*inputs) -> outputs
@@ -169,7 +189,9 @@ class TunedOps(StockOps):
         """-> ([(description, fn)], note)."""
         if self.table is not None:
             return [("dispatch table", _table_fn(self.table, op))], self.table_note
-        path = Path(self.kernel_dir / f"{op}.py")
+        if self.kernel_dir is None:
+            return [], self.table_note
+        path = Path(self.kernel_dir) / f"{op}.py"
         if not path.exists():
             return [], f"no template {op}.py in kernelsearch/kernels"
         try:
@@ -222,7 +244,7 @@ class TunedOps(StockOps):
         for label, args in op_cases:
             key = (op, _shape_key(args))
             ref = self._stock(op, *args)
-            stock_ms = _time_ms(lambda: self._stock(op, *args)) if time_it and args[0].is_cuda else None
+            stock_ms = time_in_graph_ms(lambda: self._stock(op, *args)) if time_it and args[0].is_cuda else None
             best, tried = None, []
             for desc, fn in candidates:
                 try:
@@ -234,7 +256,7 @@ class TunedOps(StockOps):
                 if not err <= tol:
                     tried.append({"impl": desc, "error": f"rel_l2 {err:.2e} > {tol:g}"})
                     continue
-                ms = _time_ms(lambda: fn(*args)) if stock_ms is not None else None
+                ms = time_in_graph_ms(lambda: fn(*args)) if stock_ms is not None else None
                 tried.append({"impl": desc, "rel_l2": err, "ms": ms})
                 if best is None or (ms is not None and ms < best[2]):
                     best = (desc, fn, ms if ms is not None else float("inf"))
@@ -282,10 +304,10 @@ class TunedOps(StockOps):
         fn = self._route("matmul", (a, b))
         return fn(a, b)[0] if fn else StockOps.matmul(self, a, b)
 
-    def attention_mask(self, seq_lens, s_max):
+    def attention_mask(self, seq_lens, s_max, dtype):
         if any(k[0] == "decode_attention" for k in self.routes):
             return None  # the kernel reads seq_lens itself
-        return StockOps.attention_mask(self, seq_lens, s_max)
+        return StockOps.attention_mask(self, seq_lens, s_max, dtype)
 
     def decode_attention(self, q, k_cache, v_cache, seq_lens, scale, mask=None):
         fn = self._route("decode_attention", (q, k_cache, v_cache, seq_lens))
@@ -294,7 +316,7 @@ class TunedOps(StockOps):
         return StockOps.decode_attention(self, q, k_cache, v_cache, seq_lens, scale, mask)
 
 
-def _time_ms(fn, reps: int = 20) -> float:
+def time_in_graph_ms(fn, reps: int = 20) -> float:
     """Per-call time inside a CUDA graph of `reps` calls, as the decode step will run it
     (eager timing would charge Triton's larger Python launch cost to the kernel)."""
     stream = torch.cuda.Stream()

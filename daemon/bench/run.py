@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from daemon.bench.model import PRESETS, Model
-from daemon.bench.ops import StockOps, TunedOps, default_table_path, load_table, rel_l2
+from daemon.bench.ops import StockOps, TunedOps, time_in_graph_ms, default_table_path, load_table, rel_l2
 
 VARIANTS = ("eager", "graphed", "compile", "tuned")
 FAIR_NOTE = ("All variants run the same model with the same fused weights (one QKV matrix, "
@@ -53,7 +53,7 @@ class BenchOptions:
     budget_s: float = 270.0
     table_path: str | None = None
     state_dir: str | None = None
-    quick_pick: int = 6
+    quick_pick: int = 8
     seed: int = 0
 
 
@@ -205,6 +205,7 @@ class Bench:
         self.reader = reader
         self.t0 = time.monotonic()
         self.compile_s: float | None = None
+        self.stock_attention: dict = {}
         self.cg_log = None
 
     def left_s(self) -> float:
@@ -240,35 +241,79 @@ class Bench:
                                "loaded": table is not None, "note": table_note}
         log(f"kernels for tuned: {table_note}")
 
+        floors = {}
         for batch, ctx in o.shapes:
-            floor = decode_floor(cfg, batch, ctx, dtype_bytes, doc["copy_bandwidth_gbs"])
-            doc["floors"].append(floor)
-            try:
-                self._decode_shape(model, batch, ctx, floor, table, table_note, doc)
-            except Exception as exc:  # e.g. out of memory for this shape: the rest still runs
-                log(f"decode {batch}x{ctx} failed: {type(exc).__name__}: {exc}")
-                doc["decode"].append({"variant": "*", "batch": batch, "ctx": ctx,
-                                      "status": f"error: {type(exc).__name__}: {str(exc)[:300]}"})
-            finally:
-                model.kv = None
-                if self.cuda:
-                    torch.cuda.empty_cache()
-        for batch, tokens in o.prefill_shapes:
-            try:
-                self._prefill_shape(model, batch, tokens, table, doc)
-            except Exception as exc:
-                log(f"prefill {batch}x{tokens} failed: {type(exc).__name__}: {exc}")
-                doc["prefill"].append({"variant": "*", "batch": batch, "tokens": tokens,
-                                       "status": f"error: {type(exc).__name__}: {str(exc)[:300]}"})
-            finally:
-                model.kv = None
+            floors[(batch, ctx)] = decode_floor(cfg, batch, ctx, dtype_bytes, doc["copy_bandwidth_gbs"])
+            doc["floors"].append(floors[(batch, ctx)])
+        # torch.compile last: its compile time is the least predictable part of the budget.
+        first = [v for v in o.variants if v != "compile"]
+        passes = [first] + ([["compile"]] if "compile" in o.variants else [])
+        for i, variants in enumerate(passes):
+            for batch, ctx in o.shapes:
+                if not variants:
+                    continue
+                try:
+                    self._decode_shape(model, batch, ctx, floors[(batch, ctx)], variants, table,
+                                       table_note, doc)
+                except Exception as exc:  # e.g. out of memory for this shape: the rest still runs
+                    log(f"decode {batch}x{ctx} failed: {type(exc).__name__}: {exc}")
+                    doc["decode"].append({"variant": ",".join(variants), "batch": batch, "ctx": ctx,
+                                          "status": f"error: {type(exc).__name__}: {str(exc)[:300]}"})
+                finally:
+                    model.kv = None
+                    if self.cuda:
+                        torch.cuda.empty_cache()
+            if i > 0:
+                continue
+            for batch, tokens in o.prefill_shapes:
+                try:
+                    self._prefill_shape(model, batch, tokens, table, doc)
+                except Exception as exc:
+                    log(f"prefill {batch}x{tokens} failed: {type(exc).__name__}: {exc}")
+                    doc["prefill"].append({"variant": "*", "batch": batch, "tokens": tokens,
+                                           "status": f"error: {type(exc).__name__}: {str(exc)[:300]}"})
+                finally:
+                    model.kv = None
+                    if self.cuda:
+                        torch.cuda.empty_cache()
+        order = {v: i for i, v in enumerate(o.variants)}
+        doc["decode"].sort(key=lambda r: (o.shapes.index((r["batch"], r["ctx"])),
+                                          order.get(r["variant"], 99)))
+        doc["stock_attention"] = {f"{b}x{c}": v for (b, c), v in self.stock_attention.items()}
         if self.cg_log is not None:
             logging.getLogger("torch").removeHandler(self.cg_log)
         doc["wall_s"] = time.monotonic() - self.t0
         return doc
 
     # ---- decode -------------------------------------------------------------------------------
-    def _decode_shape(self, model, batch, ctx, floor, table, table_note, doc):
+    def _choose_stock_attention(self, model, batch, ctx) -> str:
+        """The faster stock decode attention at this shape, for every variant alike."""
+        key = (batch, ctx)
+        if key in self.stock_attention:
+            return self.stock_attention[key]
+        choice = "sdpa"
+        if self.cuda:
+            c = model.cfg
+            q = torch.randn(batch, c.heads, c.head_dim, device=model.device).to(model.dtype)
+            seq_lens = torch.full((batch,), ctx + 1, device=model.device, dtype=torch.int32)
+            kc, vc = model.kv[0, 0], model.kv[0, 1]
+            times = {}
+            for name in ("sdpa", "bmm"):
+                ops = StockOps(name)
+                mask = ops.attention_mask(seq_lens, kc.shape[2], model.dtype)
+                try:
+                    times[name] = time_in_graph_ms(lambda: ops.decode_attention(q, kc, vc, seq_lens,
+                                                                        model.scale, mask))
+                except Exception as exc:
+                    log(f"stock attention {name} failed: {type(exc).__name__}: {exc}")
+            if times:
+                choice = min(times, key=times.get)
+            log(f"stock attention at {batch}x{ctx}: " +
+                ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in times.items()) + f" -> {choice}")
+        self.stock_attention[key] = choice
+        return choice
+
+    def _decode_shape(self, model, batch, ctx, floor, variants, table, table_note, doc):
         o = self.opts
         s_max = int(math.ceil((ctx + 1) / 64) * 64)
         model.allocate_cache(batch, s_max)
@@ -277,9 +322,9 @@ class Bench:
         g.manual_seed(o.seed + 2)
         tokens = torch.randint(1, model.cfg.vocab, (batch,), generator=g, device=o.device)
         positions = torch.full((batch,), ctx, device=o.device, dtype=torch.int64)
-        stock = StockOps()
+        stock = StockOps(self._choose_stock_attention(model, batch, ctx))
         ref = model.decode_step(tokens, positions, stock).float()
-        for variant in o.variants:
+        for variant in variants:
             row = {"variant": variant, "batch": batch, "ctx": ctx, "s_max": s_max}
             if self.left_s() < 15:
                 row["status"] = "skipped: time budget spent"
@@ -320,7 +365,10 @@ class Bench:
             finally:
                 row["wall_s"] = time.monotonic() - t_start
                 if self.cuda:
-                    torch.cuda.synchronize()
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception as exc:  # a broken context: the shape loop records it
+                        row["status"] = f"error after run: {type(exc).__name__}: {str(exc)[:200]}"
             doc["decode"].append(row)
             if row.get("status") == "ok":
                 tj = f"{row['tokens_per_j']:.1f} tok/J" if row.get("tokens_per_j") else "no energy"
@@ -344,15 +392,17 @@ class Bench:
             return graph.replay, out, {}
         if variant == "tuned":
             if self.cuda or os.environ.get("TRITON_INTERPRET") == "1":
-                ops = TunedOps(table, table_note, quick_pick=self.opts.quick_pick if self.cuda else 1)
+                ops = TunedOps(table, table_note, quick_pick=self.opts.quick_pick if self.cuda else 1,
+                               attention=stock.attention)
             else:
                 ops = TunedOps(None, "cpu without TRITON_INTERPRET=1: templates not tried",
-                               kernel_dir=_NO_DIR)
+                               kernel_dir=None, attention=stock.attention)
             used = ops.prepare(model, batch, time_it=self.cuda)
             doc["tuned_kernels"][f"{batch}x{ctx}"] = used
             summary = {op: u["impl"] for op, u in used.items()}
             fields = {"kernels": summary, "kernel_source": table_note if table is not None else
-                      "built-in templates (first config) or stock"}
+                      "built-in templates (first config + hinted configs, fastest checked per "
+                      "shape) or stock where stock is faster or no template passed"}
             if not self.cuda:
                 return (lambda: model.decode_step(tokens, positions, ops)), None, fields
             if table is not None:
@@ -364,6 +414,8 @@ class Bench:
         if variant == "compile":
             if not self.cuda:
                 return None, None, {"status": "skipped: needs CUDA (compile is a GPU measurement here)"}
+            if self.compile_s is None and self.left_s() < 90:
+                return None, None, {"status": "skipped: time budget (under 90 s left for a first compile)"}
             if self.compile_s is not None and self.left_s() < 1.5 * self.compile_s + 20:
                 return None, None, {"status": f"skipped: time budget (last compile took {self.compile_s:.0f}s)"}
             return self._compiled_step(model, tokens, positions, stock, doc)
@@ -431,17 +483,6 @@ class Bench:
                 row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
                 log(f"prefill {name} failed: {row['status']}")
             doc["prefill"].append(row)
-
-
-class _NoDir:
-    """A kernel directory where no template exists (CPU runs without the interpreter)."""
-
-    def __truediv__(self, name):
-        from pathlib import Path
-        return Path("/nonexistent-hwtune-kernels") / name
-
-
-_NO_DIR = _NoDir()
 
 
 def format_table(doc: dict) -> str:

@@ -35,7 +35,7 @@ def add_bench_arguments(p) -> None:
                    help="stop starting new measurements after this many seconds")
     m.add_argument("--table", default=None, metavar="PATH",
                    help="dispatch table (default STATE_DIR/dispatch/<fingerprint-id>.json)")
-    m.add_argument("--quick-pick", type=int, default=6,
+    m.add_argument("--quick-pick", type=int, default=8,
                    help="without a table: template configs tried per op at decode shapes")
     m.add_argument("--seed", type=int, default=0)
     w = p.add_argument_group("your workload instead of the built-in model")
