@@ -179,9 +179,9 @@ def launch(a, b, out, variant="tiled", BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP
     if variant != "splitk":
         raise ValueError(f"unknown matmul variant {variant!r}")
     if FMA:
-        block_m = min(triton.next_power_of_2(M), 16)
-        if block_m * BLOCK_K * BLOCK_N > FMA_MAX_ELEMS:
-            raise ValueError(f"FMA tile {block_m}x{BLOCK_K}x{BLOCK_N} exceeds {FMA_MAX_ELEMS} products")
+        # As many rows of `a` per program as the register budget allows (valid for any M;
+        # larger M just re-streams b once per row block). All factors are powers of two.
+        block_m = max(1, min(triton.next_power_of_2(M), 16, FMA_MAX_ELEMS // (BLOCK_K * BLOCK_N)))
     else:
         block_m = 16  # tl.dot needs at least 16 rows
     k_per_split = triton.cdiv(triton.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K

@@ -25,7 +25,7 @@ SPACE = {
     "num_stages": [1, 2],
 }
 
-# A tile bigger than this spills registers badly (and compiles slowly): refuse it up front.
+# A bigger tile spills registers badly (and compiles slowly): launch() clamps rows to it.
 MAX_TILE_ELEMS = 32768
 
 
@@ -107,12 +107,13 @@ def launch(x, weight, eps, out, ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=0,
         raise ValueError("rmsnorm template needs unit stride along the last dimension")
     one_pass = BLOCK_N == 0 or BLOCK_N >= N
     block_n = triton.next_power_of_2(N) if one_pass else BLOCK_N
-    if ROWS_PER_PROG * block_n > MAX_TILE_ELEMS:
-        raise ValueError(f"tile {ROWS_PER_PROG}x{block_n} exceeds {MAX_TILE_ELEMS} elements")
-    num_tiles = triton.cdiv(M, ROWS_PER_PROG)
+    if block_n > MAX_TILE_ELEMS:  # a row too wide for registers: loop over it in chunks
+        one_pass, block_n = False, MAX_TILE_ELEMS
+    rows = max(1, min(ROWS_PER_PROG, MAX_TILE_ELEMS // block_n))  # valid for any N
+    num_tiles = triton.cdiv(M, rows)
     grid = num_tiles if PROGRAMS_PER_SM == 0 else min(num_tiles, _sm_count(x.device) * PROGRAMS_PER_SM)
     vec = _vec_width(x.element_size(), N, x.stride(0), out.stride(0))
     _rmsnorm_kernel[(grid,)](x, weight, out, M, N // vec, x.stride(0) // vec, out.stride(0) // vec,
-                             float(eps), num_tiles, ROWS=ROWS_PER_PROG, BLOCK_N=block_n,
+                             float(eps), num_tiles, ROWS=rows, BLOCK_N=block_n,
                              ONE_PASS=one_pass, VEC=vec, num_warps=num_warps, num_stages=num_stages)
     return out
