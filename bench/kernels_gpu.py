@@ -885,7 +885,6 @@ def measure_ceilings(device: str) -> dict:
         c = {"copy_gb_s": 2 * src.numel() * 2 / (med(lambda: dst.copy_(src)) * 1e-3) / 1e9,
              "matmul_tflops": 2 * 8192 ** 3 / (med(lambda: a @ b) * 1e-3) / 1e12,
              "method": "local: copy 2 GiB read+write, 8192^3 bf16 matmul, median of 10"}
-        del src, dst, a, b
     props = torch.cuda.get_device_properties(0)
     c.update(gpu=props.name, sm_count=props.multi_processor_count,
              l2_bytes=getattr(props, "L2_cache_size", 0) or (60 << 20))
