@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("daemon.commands.sim", "create or edit a simulated host file"),
     "check-kernel": ("daemon.commands.kernels", "run one candidate through the verifier and timing"),
     "search": ("daemon.commands.search", "kernel autoresearch loop"),
+    "share": ("daemon.commands.share", "export / import search results between hosts of one device fingerprint"),
     "tune": ("daemon.commands.tune", "nested tuning cycle: hardware points x kernels"),
     "bench": ("daemon.commands.bench", "end-to-end tokens/s and tokens/J"),
     "daemon": ("daemon.commands.service", "the service loop"),

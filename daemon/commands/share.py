@@ -1,0 +1,83 @@
+"""`hwtune share export|import`: move ledger rows and dispatch tables between hosts of the same
+device fingerprint (kernelsearch.share). Messages go to stderr; `--json` prints one document."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from hwtune.errors import UsageError
+
+
+def add_share_arguments(p) -> None:
+    sub = p.add_subparsers(dest="share_command", metavar="ACTION", required=True)
+    exp = sub.add_parser("export", help="write this device's rows and dispatch table as a JSON bundle")
+    exp.add_argument("-o", "--output", default="-", help="bundle file (default: stdout)")
+    exp.add_argument("--kernel", default=None, help="only this kernel's rows and winners")
+    exp.add_argument("--fingerprint", default=None, metavar="ID",
+                     help="export this fingerprint id instead of this host's")
+    imp = sub.add_parser("import", help="store a bundle's rows and winners here (same fingerprint only)")
+    imp.add_argument("bundle", help="bundle file ('-': stdin)")
+    imp.add_argument("--force", action="store_true",
+                     help="import a bundle from another fingerprint (rows keep their fingerprint; "
+                          "winners go into this host's table marked imported_from)")
+    imp.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    for q in (exp, imp):
+        q.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                       help="whose fingerprint is 'this host' (cpu: the Triton interpreter's)")
+        q.add_argument("--ledger", type=Path, default=None, help="SQLite ledger (default STATE_DIR/ledger.sqlite)")
+
+
+def _local_fingerprint(device: str) -> dict:
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # as `hwtune search --device cpu` measures
+    from kernelsearch.fingerprint import collect
+
+    return collect(device)
+
+
+def run_share(args, ctx) -> int:
+    from kernelsearch import share
+    from kernelsearch.fingerprint import fingerprint_id
+
+    if args.share_command == "export":
+        local = None if args.fingerprint else _local_fingerprint(args.device)
+        fp_id = args.fingerprint or fingerprint_id(local)
+        try:
+            bundle = share.export_bundle(ctx.state_dir, fp_id, fingerprint=local, ledger_path=args.ledger,
+                                         kernel=args.kernel)
+        except LookupError as exc:
+            raise UsageError(str(exc).strip("'\"")) from None
+        text = json.dumps(bundle, indent=1, sort_keys=True) + "\n"
+        if args.output == "-":
+            sys.stdout.write(text)
+        else:
+            Path(args.output).write_text(text)
+        for note in bundle["notes"]:
+            print(f"note: {note}", file=sys.stderr)
+        entries = len((bundle["dispatch"] or {}).get("entries", []))
+        print(f"exported {len(bundle['attempts'])} ledger rows and {entries} dispatch entries for {fp_id}"
+              f"{' -> ' + args.output if args.output != '-' else ''}", file=sys.stderr)
+        return 0
+
+    try:
+        text = sys.stdin.read() if args.bundle == "-" else Path(args.bundle).read_text()
+        bundle = json.loads(text)
+    except OSError as exc:
+        raise UsageError(f"{args.bundle}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UsageError(f"{args.bundle}: not JSON ({exc})") from None
+    try:
+        report = share.import_bundle(bundle, ctx.state_dir, _local_fingerprint(args.device),
+                                     ledger_path=args.ledger, force=args.force)
+    except (share.FingerprintMismatch, share.BadBundle) as exc:
+        raise UsageError(f"{args.bundle}: {exc}") from None
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    print(f"{'forced: ' if report['forced'] else ''}{report['rows_added']} ledger rows added "
+          f"({report['rows_present']} already present); dispatch entries: {report['entries_added']} added, "
+          f"{report['entries_replaced']} replaced by faster ones, {report['entries_kept']} kept"
+          + (f" -> {report['table']}" if report["table"] else ""), file=sys.stderr)
+    return 0
+

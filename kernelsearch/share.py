@@ -1,0 +1,220 @@
+"""Share search results between hosts of the same device fingerprint: one JSON bundle.
+
+A bundle carries one fingerprint's ledger rows (every attempt, failures included) and its
+dispatch table, plus the source text of any winner that lives in a file rather than in a
+built-in template module (a path on the exporting host means nothing elsewhere).
+
+    bundle = export_bundle(state_dir, fingerprint_id)            # JSON-ready dict
+    report = import_bundle(bundle, state_dir, local_fingerprint)  # raises FingerprintMismatch
+
+Import rules:
+- The bundle's fingerprint must be this host's (same GPU model, driver, triton, torch, CUDA:
+  the whole fingerprint, because the dispatch runtime uses a table only under its exact
+  fingerprint id). Otherwise `FingerprintMismatch`, naming the fields that differ, unless
+  `force`: then the rows are stored under the fingerprint they were measured on (the ledger
+  never lies about where a number came from) and the winners go into THIS host's table,
+  each marked `imported_from` (the person forcing it vouches that the difference is harmless).
+- Idempotent: a row is identified by (run_id, kernel, dtype, shape, source hash, params,
+  fingerprint, code version, started_at); one already present is not stored again. A dispatch
+  entry is identified by (kernel, dtype, shape, range): an identical one is left alone, a
+  different one replaces the local entry only when it is faster (lower candidate_ms).
+"""
+from __future__ import annotations
+
+import json
+import math
+import socket
+import time
+from pathlib import Path
+
+from kernelsearch.ledger import COLUMNS, Ledger, canonical, file_hash
+
+FORMAT = "hwtune-share"
+VERSION = 1
+
+
+class FingerprintMismatch(Exception):
+    """The bundle was measured on another device fingerprint."""
+
+
+class BadBundle(Exception):
+    """Not a bundle this version can read."""
+
+
+def _finite_or_none(x):
+    return x if x is None or not isinstance(x, float) or math.isfinite(x) else None
+
+
+def fingerprint_differences(theirs: dict, ours: dict) -> list[str]:
+    """'driver 580.65 (bundle) != 575.51 (here)' for every field that differs."""
+    out = []
+    for k in sorted(set(theirs) | set(ours)):
+        if theirs.get(k) != ours.get(k):
+            out.append(f"{k} {theirs.get(k)!r} (bundle) != {ours.get(k)!r} (here)")
+    return out
+
+
+def _describe(fp: dict) -> str:
+    keys = ("gpu", "driver", "triton") if fp.get("device") == "cuda" else ("cpu", "triton")
+    return ", ".join(f"{k} {fp.get(k)}" for k in keys)
+
+
+def _ledger(state_dir, ledger_path) -> Ledger:
+    return Ledger(ledger_path or Path(state_dir) / "ledger.sqlite")
+
+
+def fingerprints_in(state_dir, ledger_path=None) -> dict[str, int]:
+    """Fingerprint ids present in the ledger or as dispatch tables, with their row counts."""
+    found: dict[str, int] = {}
+    with _ledger(state_dir, ledger_path) as ledger:
+        for fp_id, n in ledger.db.execute("SELECT fingerprint, COUNT(*) FROM attempts GROUP BY fingerprint"):
+            found[fp_id] = n
+    for path in sorted((Path(state_dir) / "dispatch").glob("*.json")):
+        found.setdefault(path.stem, 0)
+    return found
+
+
+# --- export -------------------------------------------------------------------------------------
+def export_bundle(state_dir, fingerprint_id: str, fingerprint: dict | None = None, ledger_path=None,
+                  kernel: str | None = None) -> dict:
+    """One fingerprint's rows and dispatch table as a JSON-ready bundle (`kernel` narrows it)."""
+    from kernelsearch.dispatch import table_path
+
+    with _ledger(state_dir, ledger_path) as ledger:
+        rows = ledger.attempts(kernel=kernel, fingerprint=fingerprint_id)
+    attempts = []
+    for row in rows:
+        row = {c: _finite_or_none(row[c]) for c in COLUMNS}
+        attempts.append(row)
+    table_file = table_path(state_dir, fingerprint_id)
+    dispatch, sources, notes = None, {}, []
+    if table_file.exists():
+        dispatch = json.loads(table_file.read_text())
+        entries = [e for e in dispatch.get("entries", []) if kernel is None or e["kernel"] == kernel]
+        kept = []
+        for e in entries:
+            path = (e.get("source") or {}).get("path")
+            if path:
+                if not Path(path).is_file() or file_hash(path) != e.get("source_hash"):
+                    notes.append(f"{e['kernel']} {canonical(e['shape'])}: source {path} missing or changed, "
+                                 "entry left out")
+                    continue
+                sources[e["source_hash"]] = Path(path).read_text()
+            kept.append(e)
+        dispatch["entries"] = kept
+        fingerprint = fingerprint or dispatch.get("fingerprint")
+    if fingerprint is None and rows:
+        fingerprint = rows[0]["fingerprint_json"]
+    if not attempts and dispatch is None:
+        present = fingerprints_in(state_dir, ledger_path)
+        raise LookupError(f"nothing recorded for fingerprint {fingerprint_id}"
+                          f"{' and kernel ' + kernel if kernel else ''} in {state_dir}; present: "
+                          + (", ".join(f"{k} ({n} rows)" for k, n in present.items()) or "none"))
+    return {"format": FORMAT, "version": VERSION, "created_at": time.time(), "host": socket.gethostname(),
+            "fingerprint_id": fingerprint_id, "fingerprint": fingerprint or {}, "kernel": kernel,
+            "attempts": attempts, "dispatch": dispatch, "sources": sources, "notes": notes}
+
+
+# --- import -------------------------------------------------------------------------------------
+def check_bundle(bundle: dict) -> None:
+    if not isinstance(bundle, dict) or bundle.get("format") != FORMAT:
+        raise BadBundle(f"not an hwtune share bundle (format {bundle.get('format') if isinstance(bundle, dict) else None!r})")
+    if bundle.get("version") != VERSION:
+        raise BadBundle(f"bundle version {bundle.get('version')!r}; this hwtune reads version {VERSION}")
+
+
+def _has_row(ledger: Ledger, row: dict) -> bool:
+    return ledger.db.execute(
+        "SELECT 1 FROM attempts WHERE run_id=? AND kernel=? AND dtype=? AND shape=? AND source_hash=? "
+        "AND params=? AND fingerprint=? AND code_version=? AND started_at=? LIMIT 1",
+        (row["run_id"], row["kernel"], row["dtype"], canonical(row["shape"]), row["source_hash"],
+         canonical(row["params"]), row["fingerprint"], row["code_version"], row["started_at"])).fetchone() is not None
+
+
+def _entry_key(e: dict) -> str:
+    return canonical([e["kernel"], e["dtype"], e["shape"], e.get("range") or {}])
+
+
+def _ms(e: dict) -> float:
+    v = e.get("candidate_ms")
+    return float(v) if v is not None else math.inf
+
+
+def import_bundle(bundle: dict, state_dir, local_fingerprint: dict, ledger_path=None,
+                  force: bool = False) -> dict:
+    """Store a bundle's rows and winners here; see the module docstring for the rules."""
+    from kernelsearch.dispatch import DispatchTable, table_path
+    from kernelsearch.fingerprint import fingerprint_id
+
+    check_bundle(bundle)
+    theirs_id = bundle["fingerprint_id"]
+    ours_id = fingerprint_id(local_fingerprint)
+    foreign = theirs_id != ours_id
+    if foreign and not force:
+        diff = fingerprint_differences(bundle.get("fingerprint") or {}, local_fingerprint)
+        raise FingerprintMismatch(
+            f"bundle from {bundle.get('host', '?')} was measured on {theirs_id} ({_describe(bundle.get('fingerprint') or {})}); "
+            f"this host is {ours_id} ({_describe(local_fingerprint)}): {'; '.join(diff) or 'fingerprint ids differ'}. "
+            "Its timings say nothing about this device; refusing (use --force to import anyway: rows keep "
+            "their fingerprint, winners go into this host's table marked imported_from)")
+    report = {"fingerprint_id": theirs_id, "forced": foreign, "rows_added": 0, "rows_present": 0,
+              "entries_added": 0, "entries_replaced": 0, "entries_kept": 0, "table": None}
+    with _ledger(state_dir, ledger_path) as ledger:
+        new = []
+        for row in bundle.get("attempts", []):
+            missing = [c for c in COLUMNS if c not in row and c != "git_describe"]
+            if missing:
+                raise BadBundle(f"ledger row without {', '.join(missing)}")
+            if _has_row(ledger, row) or any(_same_row(row, n) for n in new):
+                report["rows_present"] += 1
+            else:
+                new.append(row)
+        ledger.record(new)
+        report["rows_added"] = len(new)
+    dispatch = bundle.get("dispatch")
+    if dispatch and dispatch.get("entries"):
+        target_id = ours_id
+        path = table_path(state_dir, target_id)
+        table = DispatchTable.load(path) if path.exists() else DispatchTable.empty()
+        index = {_entry_key(e): i for i, e in enumerate(table.entries)}
+        source_dir = Path(state_dir) / "shared" / "sources"
+        for entry in dispatch["entries"]:
+            entry = dict(entry)
+            src_path = (entry.get("source") or {}).get("path")
+            if src_path:
+                text = (bundle.get("sources") or {}).get(entry.get("source_hash"))
+                if text is None:
+                    continue  # the exporter left it out; nothing to run it from
+                source_dir.mkdir(parents=True, exist_ok=True)
+                local = source_dir / f"{entry['source_hash']}{Path(src_path).suffix or '.py'}"
+                if not local.exists():
+                    local.write_text(text)
+                entry["source"] = {"path": str(local.resolve())}
+            if foreign:
+                entry["imported_from"] = theirs_id
+            k = _entry_key(entry)
+            if k not in index:
+                index[k] = len(table.entries)
+                table.entries.append(entry)
+                report["entries_added"] += 1
+                continue
+            current = table.entries[index[k]]
+            same = (current.get("source_hash"), canonical(current.get("params")), current.get("source")) == \
+                   (entry.get("source_hash"), canonical(entry.get("params")), entry.get("source"))
+            if not same and _ms(entry) < _ms(current):
+                table.entries[index[k]] = entry
+                report["entries_replaced"] += 1
+            else:
+                report["entries_kept"] += 1
+        fp = local_fingerprint
+        table.data.update(fingerprint_id=target_id, fingerprint=fp, updated_at=time.time())
+        table.data.setdefault("triton", fp.get("triton"))
+        table.data.setdefault("torch", fp.get("torch"))
+        report["table"] = str(table.save(path))
+    return report
+
+
+def _same_row(a: dict, b: dict) -> bool:
+    keys = ("run_id", "kernel", "dtype", "source_hash", "fingerprint", "code_version", "started_at")
+    return all(a[k] == b[k] for k in keys) and canonical(a["shape"]) == canonical(b["shape"]) \
+        and canonical(a["params"]) == canonical(b["params"])

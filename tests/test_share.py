@@ -1,0 +1,186 @@
+"""kernelsearch.share and `hwtune share export|import`: one fingerprint's rows and winners move
+between hosts (here: two state directories); another fingerprint is refused unless --force."""
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import run_hwtune
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def local_fp():
+    """This host's cpu fingerprint, as `--device cpu` computes it (interpreter on)."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from kernelsearch.fingerprint import collect, fingerprint_id
+
+        fp = collect("cpu")
+        return fp, fingerprint_id(fp)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def row(fp, fp_id, run_id="r1", params=None, accepted=True, candidate_ms=0.8, started_at=1000.0, **kw):
+    r = {"run_id": run_id, "kernel": "rmsnorm", "dtype": "float32", "shape": {"M": 4, "N": 64},
+         "strategy": "grid", "source": json.dumps({"module": "kernelsearch.kernels.rmsnorm"}),
+         "source_hash": "abc123", "params": params or {"BLOCK_N": 0}, "accepted": accepted,
+         "guard": None if accepted else "correctness", "reason": "" if accepted else "off by 3%",
+         "candidate_ms": candidate_ms, "stock_ms": 1.0, "noise_band": 0.01, "flops": 10.0, "bytes": 20.0,
+         "fingerprint": fp_id, "fingerprint_json": fp, "code_version": "ks-test", "git_describe": "g1",
+         "started_at": started_at, "finished_at": started_at + 1}
+    r.update(kw)
+    return r
+
+
+def entry(shape, candidate_ms, source, source_hash, params):
+    return {"kernel": "rmsnorm", "dtype": "float32", "shape": shape, "source": source,
+            "source_hash": source_hash, "params": params, "candidate_ms": candidate_ms,
+            "stock_ms": 1.0, "speedup": 1.0 / candidate_ms, "noise_band": 0.01}
+
+
+def make_host(state: Path, fp, fp_id, entries, rows):
+    from kernelsearch.dispatch import DispatchTable, table_path
+    from kernelsearch.ledger import Ledger
+
+    with Ledger(state / "ledger.sqlite") as ledger:
+        ledger.record(rows)
+    table = DispatchTable.empty()
+    table.entries = entries
+    table.data.update(fingerprint_id=fp_id, fingerprint=fp)
+    table.save(table_path(state, fp_id))
+
+
+def ledger_rows(state: Path) -> list:
+    from kernelsearch.ledger import Ledger
+
+    with Ledger(state / "ledger.sqlite") as ledger:
+        rows = ledger.attempts()
+    return sorted(json.dumps({k: v for k, v in r.items() if k != "id"}, sort_keys=True, default=str)
+                  for r in rows)
+
+
+def table(state: Path, fp_id: str) -> dict:
+    return json.loads((state / "dispatch" / f"{fp_id}.json").read_text())
+
+
+@pytest.fixture
+def host_a(tmp_path, local_fp):
+    from kernelsearch.ledger import file_hash
+
+    fp, fp_id = local_fp
+    cand = tmp_path / "agent_cand.py"
+    cand.write_text((TESTS / "candidates" / "honest_rmsnorm.py").read_text())
+    state = tmp_path / "a"
+    make_host(state, fp, fp_id,
+              entries=[entry({"M": 4, "N": 64}, 0.8, {"module": "kernelsearch.kernels.rmsnorm"}, "abc123",
+                             {"BLOCK_N": 0}),
+                       entry({"M": 5, "N": 1000}, 0.6, {"path": str(cand)}, file_hash(cand), {})],
+              rows=[row(fp, fp_id), row(fp, fp_id, params={"BLOCK_N": 1024}, accepted=False,
+                                        candidate_ms=math.inf, started_at=1001.0)])
+    return state, cand
+
+
+def test_export_then_import_moves_rows_and_winners_to_another_host(tmp_path, host_a, local_fp):
+    from kernelsearch.dispatch import file_sha256
+
+    fp, fp_id = local_fp
+    state_a, cand = host_a
+    bundle = tmp_path / "bundle.json"
+    out = run_hwtune("--state-dir", state_a, "share", "export", "--device", "cpu", "-o", bundle)
+    assert out.returncode == 0, out.stderr
+    assert "exported 2 ledger rows and 2 dispatch entries" in out.stderr
+    cand.unlink()  # the receiving host never had the file: its text travels in the bundle
+
+    state_b = tmp_path / "b"
+    got = run_hwtune("--state-dir", state_b, "share", "import", bundle, "--device", "cpu", "--json")
+    assert got.returncode == 0, got.stderr
+    report = json.loads(got.stdout)
+    assert (report["rows_added"], report["entries_added"], report["forced"]) == (2, 2, False)
+    assert ledger_rows(state_b) == ledger_rows(state_a)  # inf time (a failed try) included
+    entries = {e["shape"]["M"]: e for e in table(state_b, fp_id)["entries"]}
+    moved = Path(entries[5]["source"]["path"])
+    assert moved.is_relative_to(state_b) and file_sha256(moved) == entries[5]["source_hash"]
+    assert entries[4]["source"] == {"module": "kernelsearch.kernels.rmsnorm"}
+
+
+def test_importing_the_same_bundle_twice_stores_each_row_once(tmp_path, host_a):
+    state_a, _ = host_a
+    bundle = tmp_path / "bundle.json"
+    run_hwtune("--state-dir", state_a, "share", "export", "--device", "cpu", "-o", bundle, check=True)
+    state_b = tmp_path / "b"
+    first = run_hwtune("--state-dir", state_b, "share", "import", bundle, "--device", "cpu", "--json", check=True)
+    second = run_hwtune("--state-dir", state_b, "share", "import", bundle, "--device", "cpu", "--json", check=True)
+    assert json.loads(first.stdout)["rows_added"] == 2
+    again = json.loads(second.stdout)
+    assert (again["rows_added"], again["rows_present"], again["entries_added"], again["entries_kept"]) == (0, 2, 0, 2)
+    assert len(ledger_rows(state_b)) == 2
+    # and importing back into the host it came from changes nothing either
+    home = run_hwtune("--state-dir", state_a, "share", "import", bundle, "--device", "cpu", "--json", check=True)
+    assert json.loads(home.stdout)["rows_added"] == 0
+
+
+def test_bundle_from_another_fingerprint_is_refused_with_exit_2_unless_forced(tmp_path, host_a, local_fp):
+    fp, fp_id = local_fp
+    state_a, _ = host_a
+    bundle_path = tmp_path / "bundle.json"
+    run_hwtune("--state-dir", state_a, "share", "export", "--device", "cpu", "-o", bundle_path, check=True)
+    bundle = json.loads(bundle_path.read_text())
+    bundle["fingerprint"] = dict(bundle["fingerprint"], triton="0.0-other")
+    bundle["fingerprint_id"] = "cpu-0ther000"
+    for r in bundle["attempts"]:
+        r["fingerprint"], r["fingerprint_json"] = "cpu-0ther000", bundle["fingerprint"]
+    bundle_path.write_text(json.dumps(bundle))
+
+    state_b = tmp_path / "b"
+    refused = run_hwtune("--state-dir", state_b, "share", "import", bundle_path, "--device", "cpu")
+    assert refused.returncode == 2
+    assert "triton '0.0-other' (bundle) != " in refused.stderr and "--force" in refused.stderr
+    assert not (state_b / "dispatch").exists()
+    assert not (state_b / "ledger.sqlite").exists()  # refused before anything was written
+
+    forced = run_hwtune("--state-dir", state_b, "share", "import", bundle_path, "--device", "cpu", "--force",
+                        "--json", check=True)
+    assert json.loads(forced.stdout)["forced"] is True
+    assert {json.loads(r)["fingerprint"] for r in ledger_rows(state_b)} == {"cpu-0ther000"}  # where measured
+    here = table(state_b, fp_id)  # winners usable on this host, marked
+    assert here["fingerprint_id"] == fp_id
+    assert {e["imported_from"] for e in here["entries"]} == {"cpu-0ther000"}
+
+
+def test_a_faster_imported_winner_replaces_a_slower_local_one_and_a_slower_one_does_not(tmp_path, local_fp):
+    from kernelsearch.share import export_bundle, import_bundle
+
+    fp, fp_id = local_fp
+    mod = {"module": "kernelsearch.kernels.rmsnorm"}
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    make_host(fast, fp, fp_id, [entry({"M": 1, "N": 128}, 0.5, mod, "h", {"BLOCK_N": 0}),
+                                entry({"M": 3, "N": 130}, 0.9, mod, "h", {"BLOCK_N": 0})], [row(fp, fp_id)])
+    make_host(slow, fp, fp_id, [entry({"M": 1, "N": 128}, 0.7, mod, "h", {"BLOCK_N": 1024}),
+                                entry({"M": 3, "N": 130}, 0.4, mod, "h", {"BLOCK_N": 1024})], [row(fp, fp_id, run_id="r2")])
+    report = import_bundle(export_bundle(fast, fp_id), slow, fp)
+    assert (report["entries_replaced"], report["entries_kept"], report["rows_added"]) == (1, 1, 1)
+    winners = {e["shape"]["M"]: (e["candidate_ms"], e["params"]) for e in table(slow, fp_id)["entries"]}
+    assert winners == {1: (0.5, {"BLOCK_N": 0}), 3: (0.4, {"BLOCK_N": 1024})}
+
+
+def test_export_of_a_fingerprint_with_nothing_recorded_lists_what_is_there(tmp_path, host_a, local_fp):
+    state_a, _ = host_a
+    got = run_hwtune("--state-dir", state_a, "share", "export", "--fingerprint", "nvidia-h200-00000000")
+    assert got.returncode == 2
+    assert f"{local_fp[1]} (2 rows)" in got.stderr
+
+
+def test_a_file_that_is_not_a_bundle_is_refused(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"hello": 1}))
+    got = run_hwtune("--state-dir", tmp_path / "s", "share", "import", bad, "--device", "cpu")
+    assert got.returncode == 2 and "not an hwtune share bundle" in got.stderr
