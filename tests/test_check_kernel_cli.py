@@ -1,0 +1,62 @@
+"""`hwtune check-kernel` as a child process (CPU: Triton interpreter, reduced sweep)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_hwtune
+
+ROOT = Path(__file__).resolve().parents[1]
+CANDIDATES = Path(__file__).parent / "candidates"
+SPECS = ["rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention"]
+
+
+@pytest.mark.parametrize("kernel", SPECS)
+def test_honest_candidate_is_accepted_over_the_whole_cpu_sweep(kernel):
+    proc = run_hwtune("check-kernel", kernel, CANDIDATES / f"honest_{kernel}.py", "--device", "cpu",
+                      "--json", "--no-time", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["accepted"] and doc["guard"] is None
+    assert len(doc["shapes"]) >= 4 and all(s["status"] == "ok" for s in doc["shapes"])
+    assert any(s["dtype"] == "bfloat16" for s in doc["shapes"])
+
+
+def test_json_document_carries_per_shape_timing_and_noise_band():
+    proc = run_hwtune("check-kernel", "softmax", CANDIDATES / "honest_softmax.py", "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    for s in doc["shapes"]:
+        assert s["candidate_ms"] > 0 and s["stock_ms"] > 0 and s["noise_band"] is not None
+        assert s["speedup"] > 0 and s["flops"] > 0 and s["bytes"] > 0
+        assert s["timing"].startswith("cpu_interpreter")
+
+
+def test_rejected_candidate_exits_1_naming_the_guard():
+    proc = run_hwtune("check-kernel", "rmsnorm", CANDIDATES / "hack_partial_write.py", "--no-time", timeout=600)
+    assert proc.returncode == 1
+    assert "REJECTED by guard unwritten_output" in proc.stderr
+
+
+def test_params_override_and_bad_input_exit_2(tmp_path):
+    proc = run_hwtune("check-kernel", "matmul", CANDIDATES / "honest_matmul.py", "--json", "--no-time",
+                      "--params", '{"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16}', timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["params"] == {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16}
+    assert run_hwtune("check-kernel", "nope", CANDIDATES / "honest_matmul.py").returncode == 2
+    assert run_hwtune("check-kernel", "matmul", tmp_path / "missing.py").returncode == 2
+    assert run_hwtune("check-kernel", "matmul", CANDIDATES / "honest_matmul.py", "--params", "[1]").returncode == 2
+
+
+@pytest.mark.parametrize("kernel", SPECS)
+def test_builtin_templates_pass_the_verifier(kernel):
+    """H4's templates follow the same contract (their first CONFIG; an odd shape and bf16)."""
+    from kernelsearch.harness import evaluate
+    from kernelsearch.specs import SPECS as REGISTRY
+
+    template = ROOT / "kernelsearch" / "kernels" / f"{kernel}.py"
+    if not template.exists():
+        pytest.skip(f"{template} not written yet")
+    sweep = REGISTRY[kernel].shapes("cpu")
+    v = evaluate(kernel, template, device="cpu", shapes=[sweep[1], sweep[-1]], time_it=False)
+    assert v.accepted, f"{v.guard}: {v.reason}"
