@@ -112,12 +112,35 @@ def visible_gpus() -> list[str]:
 def _descendants(pid: int) -> list[int]:
     """Every live process below `pid`. The harness puts its candidate child in a session of its
     own, so killing the worker's process group alone would leave that child running."""
-    import psutil
-
+    try:
+        import psutil
+    except ImportError:  # a GPU image without psutil: read /proc directly
+        return _descendants_from_proc(pid)
     try:
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         return []
+
+
+def _descendants_from_proc(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
