@@ -56,6 +56,10 @@ CRASH_RETRIES = 1
 EXECUTORS = ("local", "pool", "ray")
 
 
+class ExecutorError(ValueError):
+    """The executor asked for cannot be made here (no GPU, too many workers, no ray, ...)."""
+
+
 def load_runner(spec: str):
     """'package.module:function' -> the function (explicit, no discovery)."""
     module_name, _, name = spec.partition(":")
@@ -270,14 +274,14 @@ class Pool:
         else:
             visible = visible_gpus()
             if not visible:
-                raise RuntimeError("pool: --device cuda but no GPU is visible "
+                raise ExecutorError("pool: --device cuda but no GPU is visible "
                                    "(CUDA_VISIBLE_DEVICES / nvidia-smi / torch)")
             if workers and workers > len(visible):
-                raise ValueError(f"pool: {workers} workers asked for, {len(visible)} GPU(s) visible: "
+                raise ExecutorError(f"pool: {workers} workers asked for, {len(visible)} GPU(s) visible: "
                                  f"{','.join(visible)} (one worker per GPU)")
             gpus = visible[:workers] if workers else visible
         if not gpus:
-            raise ValueError("pool: needs at least one worker")
+            raise ExecutorError("pool: needs at least one worker")
         self.slots = [_Slot(i, g, self) for i, g in enumerate(gpus)]
         self.stats = {"jobs": 0, "crashes": 0, "retries": 0, "timeouts": 0, "harness_errors": 0}
 
@@ -387,16 +391,28 @@ class Pool:
 def open_executor(kind: str, device: str = "cuda", workers: int | None = None,
                   ray_address: str | None = None, **kw):
     """The executor `hwtune search --executor` names: None for "local" (the loop's sequential
-    default), a Pool, or a RayExecutor. Use as a context manager (it closes its workers)."""
+    default), a Pool, or a RayExecutor. Use as a context manager (it closes its workers).
+    Raises ExecutorError when that executor cannot be made here."""
     if kind == "local":
+        if workers is not None or ray_address:
+            raise ExecutorError("--workers / --ray-address need --executor pool or ray")
         return contextlib.nullcontext(None)
+    if workers is not None and workers < 1:
+        raise ExecutorError(f"--workers {workers}: at least 1")
     if kind == "pool":
+        if ray_address:
+            raise ExecutorError("--ray-address needs --executor ray")
         return Pool(workers=workers, device=device, **kw)
     if kind == "ray":
-        from kernelsearch.ray_executor import RayExecutor
+        try:
+            from kernelsearch.ray_executor import RayExecutor
 
-        return RayExecutor(address=ray_address, device=device, workers=workers, **kw)
-    raise ValueError(f"unknown executor {kind!r}: expected one of {', '.join(EXECUTORS)}")
+            return RayExecutor(address=ray_address, device=device, workers=workers, **kw)
+        except ImportError as exc:
+            raise ExecutorError(f"--executor ray: {exc} (install with: pip install 'hwtune[ray]')") from None
+        except (ConnectionError, RuntimeError) as exc:
+            raise ExecutorError(f"--executor ray: {exc}") from None
+    raise ExecutorError(f"unknown executor {kind!r}: expected one of {', '.join(EXECUTORS)}")
 
 
 # --- the worker side ---------------------------------------------------------------------------

@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kernelsearch.pool import (CRASH_RETRIES, DEFAULT_RUNNER, MULTICAST_OFF, failure_verdict,
-                               job_deadline_s, load_runner, to_verdict_json)
+from kernelsearch.pool import (CRASH_RETRIES, DEFAULT_RUNNER, MULTICAST_OFF, ExecutorError,
+                               failure_verdict, job_deadline_s, load_runner, to_verdict_json)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -126,7 +126,7 @@ class RayExecutor:
             gpus = int(resources.get("GPU", 0))
             if gpus < 1:
                 self.close()
-                raise RuntimeError(f"ray: --device cuda but the cluster at {address or 'local'} has no GPU "
+                raise ExecutorError(f"ray: --device cuda but the cluster at {address or 'local'} has no GPU "
                                    f"resources ({resources})")
             options = {"num_gpus": 1, "num_cpus": 1}
             capacity = gpus

@@ -124,11 +124,16 @@ def test_each_gpu_gets_its_own_worker_pinned_with_multicast_off(pool_factory, mo
 
 
 def test_more_workers_than_gpus_is_refused(monkeypatch):
-    from kernelsearch.pool import Pool
+    from kernelsearch.pool import ExecutorError, Pool
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    with pytest.raises(ValueError, match="1 GPU"):
+    with pytest.raises(ExecutorError, match="1 GPU"):
         Pool(workers=2, device="cuda")
+
+
+def test_hwtune_search_refuses_scale_out_options_that_do_not_fit_with_exit_2(tmp_path):
+    got = run_hwtune("--state-dir", tmp_path, "search", "rmsnorm", "--device", "cpu", "--workers", "2")
+    assert got.returncode == 2 and "--executor pool or ray" in got.stderr
 
 
 def test_one_worker_runs_every_job_in_order(pool_factory):

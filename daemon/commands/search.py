@@ -113,11 +113,14 @@ def run_search(args, ctx) -> int:
 
         agent = AgentConfig.from_command(args.agent_command, timeout_s=args.agent_timeout_s,
                                          user=args.agent_user, model_family=args.model_family)
-    from kernelsearch.pool import open_executor
+    from kernelsearch.pool import ExecutorError, open_executor
 
-    with open_executor(getattr(args, "executor", "local"), device=args.device,
-                       workers=getattr(args, "workers", None),
-                       ray_address=getattr(args, "ray_address", None)) as executor:
+    try:
+        scale_out = open_executor(args.executor, device=args.device, workers=args.workers,
+                                  ray_address=args.ray_address)
+    except ExecutorError as exc:
+        raise UsageError(str(exc)) from None
+    with scale_out as executor:
         result = search(args.kernel, state_dir=ctx.state_dir, strategy=args.strategy, budget=budget,
                         device=args.device, dtype=args.dtype, shapes=args.shape, resume=args.resume,
                         seed=args.seed, ledger_path=args.ledger, dispatch_path=args.dispatch_out,
