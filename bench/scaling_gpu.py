@@ -123,19 +123,24 @@ def main() -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="hwtune-scaling-"))
     report = {"gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu slots (smoke test)", "visible_gpus": len(visible), "budget": args.budget,
               "strategy": args.strategy, "seed": args.seed, "kernels": {}, "env": MULTICAST_OFF}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every leg, so a run cut short still leaves what it measured
+        args.out.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+
     for kernel in kernels:
         legs = [run_leg(kernel, 1, args, workdir)]
+        entry = report["kernels"][kernel] = {"legs": []}
+        entry["legs"].append({k: v for k, v in legs[0].items() if not k.startswith("_")})
+        save()
         if n > 1 and not args.skip_multi:
             legs.append(run_leg(kernel, n, args, workdir))
-        entry = {"legs": [{k: v for k, v in leg.items() if not k.startswith("_")} for leg in legs]}
-        if len(legs) == 2:
+            entry["legs"].append({k: v for k, v in legs[1].items() if not k.startswith("_")})
             one, many = legs
             speedup = one["wall_s"] / many["wall_s"]
             entry.update(speedup=speedup, efficiency=speedup / many["gpus"],
                          winners=compare_winners(one, many))
-        report["kernels"][kernel] = entry
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+            save()
 
     print(f"\nkernel search scaling on {report['gpu']} x{len(visible)} "
           f"(strategy {args.strategy}, budget {args.budget}, seed {args.seed})")
