@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernelsearch.specs.base import KernelSpec, draw, itemsize, rms_norm_fp64
-from kernelsearch.specs.rmsnorm import EPS, RmsNormSpec
+from kernelsearch.specs.rmsnorm import EPS, RmsNormSpec, rms_norm_native
 
 
 class AddRmsNormSpec(KernelSpec):
@@ -39,10 +39,9 @@ class AddRmsNormSpec(KernelSpec):
         return {"out": rms_norm_fp64(r, inputs["weight"], inputs["eps"]), "residual_out": r}
 
     def stock(self, inputs, outputs):
-        r = inputs["x"].float() + inputs["residual"].float()
+        r = inputs["x"] + inputs["residual"]  # rounded to the input dtype, as a model does
         outputs["residual_out"].copy_(r)
-        y = r * torch.rsqrt(r.pow(2).mean(dim=-1, keepdim=True) + inputs["eps"])
-        outputs["out"].copy_(y * inputs["weight"].float())
+        outputs["out"].copy_(rms_norm_native(r, inputs["weight"], inputs["eps"]))
 
     def flops(self, shape):
         return 5 * shape["M"] * shape["N"]

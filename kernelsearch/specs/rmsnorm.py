@@ -12,6 +12,17 @@ from kernelsearch.specs.base import KernelSpec, draw, itemsize, rms_norm_fp64
 EPS = 1e-6
 
 
+def rms_norm_native(x, weight, eps):
+    """What a user runs in the input dtype: torch's fused rms_norm (torch >= 2.4), else the
+    unfused formula in fp32 (older torch has no native op)."""
+    rms_norm = getattr(torch.nn.functional, "rms_norm", None)
+    if rms_norm is not None:
+        return rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
 class RmsNormSpec(KernelSpec):
     name = "rmsnorm"
     arg_names = ("x", "weight", "eps")
@@ -37,9 +48,7 @@ class RmsNormSpec(KernelSpec):
         return {"out": rms_norm_fp64(inputs["x"], inputs["weight"], inputs["eps"])}
 
     def stock(self, inputs, outputs):
-        x = inputs["x"].float()
-        y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + inputs["eps"])
-        outputs["out"].copy_(y * inputs["weight"].float())
+        outputs["out"].copy_(rms_norm_native(inputs["x"], inputs["weight"], inputs["eps"]))
 
     def flops(self, shape):
         return 4 * shape["M"] * shape["N"]
