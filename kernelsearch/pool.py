@@ -34,6 +34,7 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,8 +268,6 @@ class Pool:
         self.job_timeout_s = job_timeout_s
         self.crash_retries = crash_retries
         self.env = {k: str(v) for k, v in (env or {}).items()}
-        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="hwtune-pool-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.device == "cpu":
             gpus: list[str | None] = [None] * (workers or 2)
         else:
@@ -283,6 +282,10 @@ class Pool:
         if not gpus:
             raise ExecutorError("pool: needs at least one worker")
         self.slots = [_Slot(i, g, self) for i, g in enumerate(gpus)]
+        # worker stderr; a temporary folder unless given (crash verdicts quote its tail anyway)
+        self._own_log_dir = not log_dir
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="hwtune-pool-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.stats = {"jobs": 0, "crashes": 0, "retries": 0, "timeouts": 0, "harness_errors": 0}
 
     @property
@@ -305,6 +308,8 @@ class Pool:
     def close(self) -> None:
         for slot in self.slots:
             slot.stop()
+        if self._own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     # --- the queue ------------------------------------------------------------------------
     def map(self, jobs: list[dict]) -> list[dict]:
