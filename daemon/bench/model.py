@@ -6,9 +6,9 @@ Layout choices that make the decode step lean and graph-capturable:
 - a static KV cache [L, 2, B, Hkv, S_max, D] (K and V of a layer side by side, each
   [B, Hkv, S_max, D] contiguous) written in place at device-tensor positions, so one
   captured step can be replayed without any host-side state;
-- RoPE in the decode step is one batched matmul per layer (q and k heads together) by a
-  per-position rotation matrix gathered once per step from a table (instead of a handful of
-  element-wise launches per layer);
+- RoPE + the KV-cache write go through `ops.rope_kv_write` (stock: one batched matmul per
+  layer, q and k heads together, by a per-position rotation matrix gathered once per step
+  from a table, then two in-place index writes; tuned: one fused Triton kernel);
 - every op with a tunable kernel goes through an `ops` object (see daemon/bench/ops.py).
 """
 from __future__ import annotations
@@ -53,6 +53,10 @@ class ModelConfig:
                      + self.ffn * self.hidden                          # down
                      + 2 * self.hidden)                                # two norms
         return dtype_bytes * (self.layers * per_layer + self.hidden + self.hidden * self.vocab)
+
+    def head_weight_bytes(self, dtype_bytes: int) -> int:
+        """Final norm + LM head: the part of weight_bytes that the no-head floor leaves out."""
+        return dtype_bytes * (self.hidden + self.hidden * self.vocab)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token over all layers."""
@@ -170,19 +174,21 @@ class Model:
         return table
 
     # ---- forward --------------------------------------------------------------------------
-    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, ops) -> torch.Tensor:
-        """One token per sequence. tokens, positions: int64 [B] device tensors. -> logits [B, V].
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, ops,
+                    head: bool = True) -> torch.Tensor:
+        """One token per sequence. tokens, positions: int64 [B] device tensors. -> logits [B, V],
+        or with head=False the final hidden state [B, H] before the final norm and LM head
+        (the step whose bytes the no-head floor counts).
 
         Writes K/V at `positions` in place and attends over positions+1 entries. No host sync:
         safe to capture in a CUDA graph and replay.
         """
         c, kv = self.cfg, self.kv
         b = tokens.shape[0]
-        hq, hkv, d = c.heads, c.kv_heads, c.head_dim
+        hq, d = c.heads, c.head_dim
         seq_lens = (positions + 1).to(torch.int32)
-        rope = self.rope_matrices(positions)
+        rope = ops.rope_context(self, positions)
         mask = ops.attention_mask(seq_lens, kv.shape[4], self.dtype)
-        batch_idx = torch.arange(b, device=tokens.device)
         h = self.embedding.index_select(0, tokens)
         residual = None
         for i, w in enumerate(self.layers):
@@ -191,15 +197,14 @@ class Model:
             else:
                 x, residual = ops.add_rmsnorm(h, residual, w["attn_norm"], c.eps)
             qkv = ops.matmul(x, w["w_qkv"]).view(b, c.qkv_heads, d)
-            qk = torch.bmm(qkv[:, :hq + hkv], rope)
-            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
             k_cache, v_cache = kv[i, 0], kv[i, 1]
-            k_cache[batch_idx, :, positions] = k
-            v_cache[batch_idx, :, positions] = v
+            q = ops.rope_kv_write(qkv, rope, positions, k_cache, v_cache, hq)
             attn = ops.decode_attention(q, k_cache, v_cache, seq_lens, self.scale, mask)
             h = ops.matmul(attn.reshape(b, hq * d), w["w_o"])
             x, residual = ops.add_rmsnorm(h, residual, w["mlp_norm"], c.eps)
             h = ops.matmul(ops.silu_mul(ops.matmul(x, w["w_gate_up"])), w["w_down"])
+        if not head:
+            return h
         x, _ = ops.add_rmsnorm(h, residual, self.final_norm, c.eps)
         return ops.matmul(x, self.lm_head)
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from daemon.bench import fused
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KERNEL_DIR = REPO_ROOT / "kernelsearch" / "kernels"
 SUBSTITUTED = ("rmsnorm", "add_rmsnorm", "matmul", "decode_attention")
@@ -50,6 +52,21 @@ class StockOps:
     def silu_mul(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def rope_context(self, model, positions):
+        """Per-step RoPE state shared by every layer: rotation matrices [B, D, D] and the
+        batch index of the cache write."""
+        return {"rot": model.rope_matrices(positions),
+                "batch_idx": torch.arange(positions.shape[0], device=positions.device)}
+
+    def rope_kv_write(self, qkv, rope, positions, k_cache, v_cache, heads):
+        """qkv [B, Hq+2Hkv, D] -> q [B, Hq, D] rotated; rotated k and v written into the caches
+        at `positions` in place (one bmm for q and k heads, two index writes)."""
+        hkv = k_cache.shape[1]
+        qk = torch.bmm(qkv[:, :heads + hkv], rope["rot"])
+        k_cache[rope["batch_idx"], :, positions] = qk[:, heads:]
+        v_cache[rope["batch_idx"], :, positions] = qkv[:, heads + hkv:]
+        return qk[:, :heads]
 
     def attention_mask(self, seq_lens, s_max, dtype):
         """Additive mask [B, 1, 1, S_max], built once per step and shared by every layer."""
@@ -127,12 +144,26 @@ HINTS = {
                     FMA=0, num_warps=4, num_stages=st)
                for bn, sk, st in ((128, 1, 4), (128, 4, 4), (128, 8, 4), (64, 16, 4), (256, 1, 2))]
     + [dict(variant="splitk", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, SPLIT_K=4,
-            FMA=1, num_warps=4, num_stages=4)],
+            FMA=1, num_warps=4, num_stages=4)]
+    # Best measured on the H200 at M=1..16 x 8192x28672 (bench/results/h200-run1/dispatch.json).
+    + [dict(variant="tiled", BLOCK_M=16, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, SPLIT_K=1,
+            FMA=0, num_warps=4, num_stages=4)],
+    # Best measured on the H200 per (batch, context) in bench/results/h200-run1/dispatch.json:
+    # B=1 wants many splits of short blocks, B>=8 few splits (B x Hkv programs already fill it).
+    "decode_attention": [dict(BLOCK_S=bs, NUM_SPLITS=ns, num_warps=w, num_stages=st)
+                         for bs, ns, w, st in ((16, 64, 2, 3), (64, 32, 2, 3), (64, 4, 4, 3),
+                                               (64, 1, 8, 3), (128, 1, 4, 3))],
     "rmsnorm": [dict(ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=0, num_warps=w, num_stages=1)
                 for w in (8, 16)],
     "add_rmsnorm": [dict(ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=0, num_warps=w, num_stages=1)
                     for w in (8, 16)],
 }
+
+
+# How much slower than stock (timed alone) a template may be and still be tried in the step.
+# decode_attention: the template reads seq_lens itself, so the step then builds no mask and
+# needs no q reshape; the whole-step check in run.py drops it if the step gets slower.
+STOCK_MARGIN = {"decode_attention": 1.10}
 
 
 def _shape_key(args) -> tuple:
@@ -183,6 +214,8 @@ class TunedOps(StockOps):
         self.routes: dict[tuple, object] = {}   # (op, shape key) -> fn(*inputs) -> outputs
         self.refused: set = set()                # (op, shape key) that must stay stock
         self.used: dict[str, dict] = {}
+        self.fused: set = set()                  # FUSED ops checked for this batch
+        self.disabled: set = set()               # ops sent back to stock for the whole step
 
     # ---- setup ----------------------------------------------------------------------------
     def _candidates(self, op: str) -> tuple[list, str]:
@@ -232,7 +265,70 @@ class TunedOps(StockOps):
                                            model.scale))],
         }
         self.used = {op: self._prepare_op(op, op_cases, time_it) for op, op_cases in cases.items()}
+        if self.kernel_dir is not None:
+            self.used.update(self._prepare_fused(model, batch, rnd, time_it))
         return self.used
+
+    def _prepare_fused(self, model, batch, rnd, time_it) -> dict:
+        """Check the fused kernels (daemon/bench/fused.py) against stock at this batch's real
+        shapes (a clone of layer 0's cache); on CUDA keep each only where it is not slower."""
+        c, dev = model.cfg, model.device
+        half = model.dtype in (torch.bfloat16, torch.float16)
+        tol = 2e-2 if half else 1e-5
+        kc0, vc0 = model.kv[0, 0], model.kv[0, 1]
+        positions = torch.full((batch,), max(0, model.s_max - 9), device=dev, dtype=torch.int64)
+        positions[0] = 0  # two different positions when batch > 1
+        qkv = rnd(batch, c.qkv_heads, c.head_dim)
+        gate_up = rnd(batch, 2 * c.ffn)
+        caches = {}
+
+        def stock_rope():
+            k, v = caches.setdefault("stock", (kc0.clone(), vc0.clone()))
+            return StockOps.rope_kv_write(self, qkv, StockOps.rope_context(self, model, positions),
+                                          positions, k, v, c.heads), k, v
+
+        def fused_rope():
+            k, v = caches.setdefault("fused", (kc0.clone(), vc0.clone()))
+            return fused.rope_kv_write(qkv, positions, model.inv_freq, k, v, c.heads), k, v
+
+        def stock_silu():
+            return (StockOps.silu_mul(self, gate_up),)
+
+        def fused_silu():
+            return (fused.silu_mul(gate_up),)
+
+        out = {}
+        for op, stock_fn, fused_fn in (("rope_kv_write", stock_rope, fused_rope),
+                                       ("silu_mul", stock_silu, fused_silu)):
+            entry = {"impl": "stock"}
+            try:
+                ref, got = stock_fn(), fused_fn()
+                err = max(rel_l2(o, r) for o, r in zip(got, ref))
+                if op == "rope_kv_write":  # the written slots match, every other is untouched
+                    rows = torch.arange(batch, device=dev)
+                    for a, b in zip(caches["stock"], caches["fused"]):
+                        err = max(err, rel_l2(b[rows, :, positions], a[rows, :, positions]))
+                        a[rows, :, positions] = 0
+                        b[rows, :, positions] = 0
+                        if not torch.equal(a, b):
+                            err = float("inf")
+                    caches.clear()
+                entry["rel_l2"] = err
+                if not err <= tol:
+                    entry["reason"] = f"rel_l2 {err:.2e} > {tol:g}"
+                elif time_it and dev.type == "cuda":
+                    entry["stock_ms"] = time_in_graph_ms(stock_fn)
+                    entry["ms"] = time_in_graph_ms(fused_fn)
+                    if entry["ms"] > 1.02 * entry["stock_ms"]:
+                        entry["reason"] = f"stock faster ({entry['stock_ms']:.4f} ms vs {entry['ms']:.4f} ms)"
+                if "reason" not in entry:
+                    entry["impl"] = f"fused {op} (daemon/bench/fused.py)"
+                    self.fused.add(op)
+            except Exception as exc:
+                entry["reason"] = f"fused kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
+            out[op] = entry
+        caches.clear()
+        return out
 
     def _prepare_op(self, op, op_cases, time_it):
         candidates, note = self._candidates(op)
@@ -265,7 +361,7 @@ class TunedOps(StockOps):
                 entry["impl"] = "stock"
                 entry["reason"] = "no candidate passed the check"
                 self.refused.add(key)
-            elif stock_ms is not None and self.table is None and best[2] > 1.02 * stock_ms:
+            elif stock_ms is not None and self.table is None and best[2] > STOCK_MARGIN.get(op, 1.02) * stock_ms:
                 # A template that loses to stock here is not what a tuned run means.
                 entry["impl"] = "stock"
                 entry["reason"] = f"stock faster ({stock_ms:.4f} ms vs {best[2]:.4f} ms)"
@@ -285,6 +381,8 @@ class TunedOps(StockOps):
         return (getattr(StockOps, op)(self, *args),)
 
     def _route(self, op, args):
+        if op in self.disabled:
+            return None
         key = (op, _shape_key(args))
         fn = self.routes.get(key)
         if fn is None and self.table is not None and key not in self.refused:
@@ -304,8 +402,27 @@ class TunedOps(StockOps):
         fn = self._route("matmul", (a, b))
         return fn(a, b)[0] if fn else StockOps.matmul(self, a, b)
 
+    def silu_mul(self, gate_up):
+        if "silu_mul" in self.fused and "silu_mul" not in self.disabled:
+            return fused.silu_mul(gate_up)
+        return StockOps.silu_mul(self, gate_up)
+
+    def rope_context(self, model, positions):
+        if "rope_kv_write" in self.fused and "rope_kv_write" not in self.disabled:
+            return {"inv_freq": model.inv_freq}  # angles computed in the kernel: no table gather
+        return StockOps.rope_context(self, model, positions)
+
+    def rope_kv_write(self, qkv, rope, positions, k_cache, v_cache, heads):
+        if "inv_freq" in rope:
+            return fused.rope_kv_write(qkv, positions, rope["inv_freq"], k_cache, v_cache, heads)
+        return StockOps.rope_kv_write(self, qkv, rope, positions, k_cache, v_cache, heads)
+
+    def routed_ops(self) -> list[str]:
+        """Ops that run a substituted kernel in this step (before `disabled`)."""
+        return sorted({k[0] for k in self.routes} | self.fused)
+
     def attention_mask(self, seq_lens, s_max, dtype):
-        if any(k[0] == "decode_attention" for k in self.routes):
+        if "decode_attention" not in self.disabled and any(k[0] == "decode_attention" for k in self.routes):
             return None  # the kernel reads seq_lens itself
         return StockOps.attention_mask(self, seq_lens, s_max, dtype)
 
