@@ -47,7 +47,12 @@ def test_tiny_model_bench_on_cpu_measures_prefill_and_decode_with_a_fingerprint(
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0
         assert "tokens_per_j" not in row  # no energy on CPU
     assert decode["graphed"]["status"].startswith("skipped")
-    assert set(decode["tuned"]["kernels"]) == {"rmsnorm", "add_rmsnorm", "matmul", "decode_attention"}
+    assert {"rmsnorm", "add_rmsnorm", "matmul", "decode_attention"} <= set(decode["tuned"]["kernels"])
+    assert decode["tuned"]["kernels_per_layer"]["total"] <= decode["tuned"]["kernels_per_layer_stock"]["total"]
+    for variant in ("eager", "tuned"):  # the no-head step is timed too, against the no-head floor
+        assert decode[variant]["step_ms_no_head"] > 0
+        assert decode[variant]["rel_l2_no_head_vs_eager"] < 1e-5
+    assert "no LM head" in doc["floor_note"]
     assert decode["tuned"]["rel_l2_vs_eager"] < 1e-5
     assert doc["prefill"][0]["status"] == "ok" and doc["prefill"][0]["tokens_per_s"] > 0
     assert FINGERPRINT_KEYS <= set(doc["fingerprint"])
@@ -99,7 +104,10 @@ def test_floor_counts_every_weight_the_decode_step_reads():
     f = decode_floor(cfg, batch=4, ctx=100, dtype_bytes=2, copy_gbs=1.0)
     per_token = 2 * cfg.layers * 2 * cfg.kv_heads * cfg.head_dim
     assert f["kv_read_bytes"] == 4 * 100 * per_token and f["kv_write_bytes"] == 4 * per_token
-    assert f["floor_ms"] == pytest.approx(f["total_bytes"] / 1e9 * 1e3)
+    assert f["floor_with_head_ms"] == pytest.approx(f["total_bytes"] / 1e9 * 1e3)
+    head = 2 * (model.final_norm.numel() + model.lm_head.numel())
+    assert f["total_bytes_no_head"] == f["total_bytes"] - head
+    assert f["floor_ms"] == pytest.approx(f["total_bytes_no_head"] / 1e9 * 1e3)
     big = PRESETS["llama3-8b-8l"]
     assert 4.4e9 < big.weight_bytes(2) < 4.7e9  # 8 layers of Llama-3-8B + 128256-token head
 
@@ -221,3 +229,69 @@ def test_tiny_model_variants_on_cuda(tmp_path, hwtune_cli):
     for v in ("eager", "graphed", "tuned"):
         assert rows[v]["status"] == "ok", rows[v]
         assert rows[v]["rel_l2_vs_eager"] < 5e-2
+
+
+def _interpreted():
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules:
+        pytest.skip("triton already imported without TRITON_INTERPRET=1")
+    os.environ["TRITON_INTERPRET"] = "1"
+    pytest.importorskip("triton")
+    from daemon.bench import fused
+    return fused
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_fused_rope_kv_write_matches_stock_and_touches_only_the_written_slots(dtype, tol):
+    fused = _interpreted()
+    cfg = PRESETS["tiny"]
+    model = Model(cfg, device="cpu", dtype=dtype)
+    model.allocate_cache(3, 24)
+    model.fill_cache_random()
+    positions = torch.tensor([0, 17, 23])
+    qkv = torch.randn(3, cfg.qkv_heads, cfg.head_dim).to(dtype)
+    k_s, v_s = model.kv[0, 0].clone(), model.kv[0, 1].clone()
+    k_f, v_f = model.kv[0, 0].clone(), model.kv[0, 1].clone()
+    stock = StockOps()
+    q_s = stock.rope_kv_write(qkv, stock.rope_context(model, positions), positions, k_s, v_s, cfg.heads)
+    q_f = fused.rope_kv_write(qkv, positions, model.inv_freq, k_f, v_f, cfg.heads)
+    assert q_f.is_contiguous() and q_f.shape == (3, cfg.heads, cfg.head_dim)
+    torch.testing.assert_close(q_f.float(), q_s.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(k_f.float(), k_s.float(), rtol=tol, atol=tol)
+    rows = torch.arange(3)
+    torch.testing.assert_close(v_f[rows, :, positions], qkv[:, cfg.heads + cfg.kv_heads:])
+    for a, b in ((k_s, k_f), (v_s, v_f)):
+        a[rows, :, positions] = 0
+        b[rows, :, positions] = 0
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_fused_silu_mul_matches_stock(dtype, tol):
+    fused = _interpreted()
+    gate_up = (3 * torch.randn(3, 2 * 1500)).to(dtype)  # F not a multiple of the block
+    torch.testing.assert_close(fused.silu_mul(gate_up).float(),
+                               StockOps().silu_mul(gate_up).float(), rtol=tol, atol=tol)
+
+
+def test_tuned_step_with_fused_kernels_matches_stock_on_the_interpreter():
+    _interpreted()
+    from daemon.bench.ops import TunedOps
+    from daemon.bench.run import kernels_per_layer
+    model = Model(PRESETS["tiny"], device="cpu", dtype=torch.float32)
+    model.allocate_cache(2, 32)
+    model.fill_cache_random()
+    ops = TunedOps(None, "", quick_pick=1)
+    used = ops.prepare(model, 2, time_it=False)
+    assert used["rope_kv_write"]["impl"].startswith("fused")
+    assert used["silu_mul"]["impl"].startswith("fused")
+    tokens, positions = torch.tensor([3, 5]), torch.tensor([20, 7])
+    before = model.kv.clone()
+    ref = model.decode_step(tokens, positions, StockOps())
+    kv_ref = model.kv.clone()
+    model.kv.copy_(before)
+    out = model.decode_step(tokens, positions, ops)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.kv, kv_ref, rtol=1e-5, atol=1e-5)
+    assert kernels_per_layer(ops, 2)["total"] == 10  # 4 GEMVs + 2 norms + rope/kv + 2 attn + swiglu
+    assert kernels_per_layer(StockOps(), 2)["total"] > 10

@@ -149,14 +149,29 @@ def measure_copy_bandwidth_gbs(device, nbytes: int = 2 << 30) -> float:
     return 2 * n * 2 / (statistics.median(times) * 1e-3) / 1e9
 
 
+FLOOR_NOTE = ("floor_ms: the layers' weights (QKV, O, gate/up, down, two norms per layer) + the "
+              "KV cache read for the context + the KV written, over the measured copy bandwidth "
+              "(read+write bytes / time of a 2 GB device copy); no LM head, no final norm. "
+              "floor_with_head_ms adds the final norm and the LM head. pct_of_floor = floor_ms / "
+              "step_ms_no_head (the decode step timed without final norm and LM head); "
+              "pct_of_floor_with_head = floor_with_head_ms / step_ms (the full step, logits out).")
+
+
 def decode_floor(cfg, batch: int, ctx: int, dtype_bytes: int, copy_gbs: float | None) -> dict:
     w = cfg.weight_bytes(dtype_bytes)
+    w_head = cfg.head_weight_bytes(dtype_bytes)
     per_tok = cfg.kv_bytes_per_token(dtype_bytes)
     kv_read, kv_write = batch * ctx * per_tok, batch * per_tok
     total = w + kv_read + kv_write
-    floor_ms = total / (copy_gbs * 1e9) * 1e3 if copy_gbs else None
-    return {"batch": batch, "ctx": ctx, "weight_bytes": w, "kv_read_bytes": kv_read,
-            "kv_write_bytes": kv_write, "total_bytes": total, "floor_ms": floor_ms}
+    no_head = total - w_head
+
+    def ms(nbytes):
+        return nbytes / (copy_gbs * 1e9) * 1e3 if copy_gbs else None
+
+    return {"batch": batch, "ctx": ctx, "weight_bytes": w, "head_weight_bytes": w_head,
+            "kv_read_bytes": kv_read, "kv_write_bytes": kv_write, "total_bytes": total,
+            "total_bytes_no_head": no_head, "floor_ms": ms(no_head),
+            "floor_with_head_ms": ms(total)}
 
 
 def capture_graph(fn):
@@ -219,7 +234,8 @@ class Bench:
         doc = {"label": "cuda" if self.cuda else "cpu", "device": o.device, "model": cfg.to_json(),
                "dtype": o.dtype, "fair_note": FAIR_NOTE, "variants": list(o.variants),
                "steps": o.steps, "warmup": o.warmup, "energy_window_s": o.energy_window_s,
-               "decode": [], "prefill": [], "floors": [], "tuned_kernels": {}, "compile": {}}
+               "decode": [], "prefill": [], "floors": [], "tuned_kernels": {}, "compile": {},
+               "floor_note": FLOOR_NOTE}
         log(f"{doc['label']}: model {cfg.name} {o.dtype}, shapes {o.shapes}, variants {list(o.variants)}, "
             f"budget {o.budget_s:.0f}s")
         torch.manual_seed(o.seed)
@@ -324,6 +340,8 @@ class Bench:
         positions = torch.full((batch,), ctx, device=o.device, dtype=torch.int64)
         stock = StockOps(self._choose_stock_attention(model, batch, ctx))
         ref = model.decode_step(tokens, positions, stock).float()
+        ref_no_head = model.decode_step(tokens, positions, stock, head=False).float()
+        tol = 5e-2 if model.dtype != torch.float32 else 1e-3
         for variant in variants:
             row = {"variant": variant, "batch": batch, "ctx": ctx, "s_max": s_max}
             if self.left_s() < 15:
@@ -333,7 +351,8 @@ class Bench:
             t_start = time.monotonic()
             try:
                 fn, out, extra = self._make_step(variant, model, tokens, positions, stock, table,
-                                                 table_note, doc, batch, ctx)
+                                                 table_note, doc, batch, ctx, ref, tol)
+                fn_nh = extra.pop("_no_head", None)
                 if fn is None:
                     row.update(extra)
                     doc["decode"].append(row)
@@ -347,8 +366,18 @@ class Bench:
                 step_ms = statistics.median(times)
                 row.update(status="ok", step_ms=step_ms, step_ms_min=min(times),
                            step_ms_max=max(times), tokens_per_s=batch / (step_ms * 1e-3))
-                if floor["floor_ms"]:
-                    row["pct_of_floor"] = 100.0 * floor["floor_ms"] / step_ms
+                if floor["floor_with_head_ms"]:
+                    row["pct_of_floor_with_head"] = 100.0 * floor["floor_with_head_ms"] / step_ms
+                if fn_nh is not None:
+                    f_nh, out_nh = fn_nh
+                    now = f_nh()
+                    row["rel_l2_no_head_vs_eager"] = rel_l2((out_nh if out_nh is not None else now).float(),
+                                                            ref_no_head)
+                    times_nh = time_steps(f_nh, o.steps, o.warmup, self.cuda)
+                    row["step_ms_no_head"] = statistics.median(times_nh)
+                    row["tokens_per_s_no_head"] = batch / (row["step_ms_no_head"] * 1e-3)
+                    if floor["floor_ms"]:
+                        row["pct_of_floor"] = 100.0 * floor["floor_ms"] / row["step_ms_no_head"]
                 if self.cuda:
                     calls = max(1, int(0.2 / (step_ms * 1e-3)))
                     e = energy_window(fn, self.reader, o.energy_window_s, calls)
@@ -357,7 +386,7 @@ class Bench:
                         if e.get("energy_j"):
                             row["tokens_per_j"] = batch * e["calls"] / e["energy_j"]
                             row["avg_power_w"] = e["energy_j"] / e["wall_s"]
-                if row["rel_l2_vs_eager"] > (5e-2 if model.dtype != torch.float32 else 1e-3):
+                if row["rel_l2_vs_eager"] > tol:
                     row["warning"] = "logits differ from eager beyond bf16 noise"
             except Exception as exc:
                 row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
@@ -372,7 +401,8 @@ class Bench:
             doc["decode"].append(row)
             if row.get("status") == "ok":
                 tj = f"{row['tokens_per_j']:.1f} tok/J" if row.get("tokens_per_j") else "no energy"
-                pf = f"{row['pct_of_floor']:.0f}% of floor" if row.get("pct_of_floor") else ""
+                pf = (f"no head {row['step_ms_no_head']:.3f} ms = {row['pct_of_floor']:.0f}% of floor"
+                      if row.get("pct_of_floor") else "")
                 log(f"decode {variant:8s} B={batch:<3d} ctx={ctx:<5d} {row['step_ms']:.3f} ms "
                     f"{row['tokens_per_s']:.0f} tok/s {tj} {pf} (err {row['rel_l2_vs_eager']:.1e})")
             else:
@@ -381,15 +411,20 @@ class Bench:
             if self.cuda:
                 torch.cuda.empty_cache()
 
-    def _make_step(self, variant, model, tokens, positions, stock, table, table_note, doc, batch, ctx):
-        """-> (callable, static output or None, row fields). callable None = not run."""
+    def _make_step(self, variant, model, tokens, positions, stock, table, table_note, doc, batch, ctx,
+                   ref, tol):
+        """-> (callable, static output or None, row fields). callable None = not run.
+        Row field "_no_head": (callable, static output) of the same step without final norm and
+        LM head (popped by the caller)."""
         if variant == "eager":
-            return (lambda: model.decode_step(tokens, positions, stock)), None, {}
+            return (lambda: model.decode_step(tokens, positions, stock)), None, {
+                "_no_head": ((lambda: model.decode_step(tokens, positions, stock, head=False)), None)}
         if variant == "graphed":
             if not self.cuda:
                 return None, None, {"status": "skipped: needs CUDA"}
             graph, out = capture_graph(lambda: model.decode_step(tokens, positions, stock))
-            return graph.replay, out, {}
+            g_nh, out_nh = capture_graph(lambda: model.decode_step(tokens, positions, stock, head=False))
+            return graph.replay, out, {"_no_head": (g_nh.replay, out_nh)}
         if variant == "tuned":
             if self.cuda or os.environ.get("TRITON_INTERPRET") == "1":
                 ops = TunedOps(table, table_note, quick_pick=self.opts.quick_pick if self.cuda else 1,
@@ -403,13 +438,22 @@ class Bench:
             fields = {"kernels": summary, "kernel_source": table_note if table is not None else
                       "built-in templates (first config + hinted configs, fastest checked per "
                       "shape) or stock where stock is faster or no template passed"}
+            fields["kernels_per_layer"] = kernels_per_layer(ops, batch)
+            fields["kernels_per_layer_stock"] = kernels_per_layer(stock, batch)
             if not self.cuda:
+                fields["_no_head"] = ((lambda: model.decode_step(tokens, positions, ops, head=False)), None)
                 return (lambda: model.decode_step(tokens, positions, ops)), None, fields
             if table is not None:
                 table.counts.clear()
-            graph, out = capture_graph(lambda: model.decode_step(tokens, positions, ops))
+            graph, out, choice = self._capture_tuned(model, tokens, positions, ops, ref, tol)
+            fields["step_choice"] = choice
+            fields["kernels"] = {op: ("stock (dropped by the step-level check)" if op in ops.disabled
+                                      else impl) for op, impl in summary.items()}
+            fields["kernels_per_layer"] = kernels_per_layer(ops, batch)
             if table is not None:  # what the table routed while the graph was captured (4 calls)
                 fields["table_routes"] = {f"{k}:{r}": n for (k, r), n in sorted(table.counts.items())}
+            g_nh, out_nh = capture_graph(lambda: model.decode_step(tokens, positions, ops, head=False))
+            fields["_no_head"] = (g_nh.replay, out_nh)
             return graph.replay, out, fields
         if variant == "compile":
             if not self.cuda:
@@ -420,6 +464,55 @@ class Bench:
                 return None, None, {"status": f"skipped: time budget (last compile took {self.compile_s:.0f}s)"}
             return self._compiled_step(model, tokens, positions, stock, doc)
         return None, None, {"status": f"skipped: unknown variant {variant!r}"}
+
+    def _capture_tuned(self, model, tokens, positions, ops, ref, tol):
+        """Capture the tuned step and check it as a whole: a substitution that fails to
+        capture, gives logits off stock's, or makes the whole graphed step slower (isolated
+        kernel timings run with a warm L2) goes back to stock. Greedy: start with every
+        substitution, try dropping each op once, keep a drop that is >= 1% faster (or that
+        makes a failing step pass). -> (graph, static output, record)."""
+        def attempt(disabled):
+            ops.disabled = set(disabled)
+            try:
+                graph, out = capture_graph(lambda: model.decode_step(tokens, positions, ops))
+                err = rel_l2(out.float(), ref)
+                if not err <= tol:
+                    return {"disabled": sorted(disabled), "error": f"rel_l2 {err:.2e} > {tol:g}"}, None
+                ms = statistics.median(time_steps(graph.replay, 20, 3, True))
+                return {"disabled": sorted(disabled), "ms": ms, "rel_l2": err}, (graph, out)
+            except Exception as exc:
+                try:
+                    torch.cuda.synchronize()
+                except Exception:
+                    pass
+                return {"disabled": sorted(disabled), "error": f"{type(exc).__name__}: {str(exc)[:200]}"}, None
+
+        tried = []
+        current = set()
+        best, best_g = attempt(current)
+        tried.append(best)
+        for op in ops.routed_ops():
+            if self.left_s() < 30:
+                break
+            cand = current | {op}
+            rec, g = attempt(cand)
+            tried.append(rec)
+            better = g is not None and (best_g is None or rec["ms"] < 0.99 * best["ms"])
+            if better:
+                current, best, best_g = cand, rec, g
+            else:
+                g = None
+        if best_g is None:  # nothing passed: stock kernels in the tuned graph
+            current = set(ops.routed_ops())
+            best, best_g = attempt(current)
+            tried.append(best)
+            if best_g is None:
+                raise RuntimeError(f"tuned step failed even with every op stock: {best.get('error')}")
+        ops.disabled = set(current)
+        log("tuned step choices: " + "; ".join(
+            f"-{','.join(r['disabled']) or 'none'} " + (f"{r['ms']:.3f} ms" if "ms" in r else r["error"][:60])
+            for r in tried) + f" -> drop {sorted(current) or 'none'}")
+        return best_g[0], best_g[1], {"dropped": sorted(current), "tried": tried}
 
     def _compiled_step(self, model, tokens, positions, stock, doc):
         if self.cg_log is None:
@@ -485,9 +578,35 @@ class Bench:
             doc["prefill"].append(row)
 
 
+def kernels_per_layer(ops, batch: int) -> dict:
+    """Kernel launches per decoder layer, counted by construction from what the ops object
+    routes (torch.profiler on a CPU cannot see CUDA kernels). Stock counts are torch's usual
+    CUDA launches: rms_norm 1 (fused in recent torch), the residual add 1, a GEMV 1, RoPE bmm
+    1 (+1 copy of the strided q/k slice when it is not contiguous), each index write 1,
+    SDPA 1 (+1 q copy for batch > 1), silu 1 + mul 1; a Triton splitk GEMV with more than
+    one split adds its reduce kernel (not counted here: it depends on the chosen config)."""
+    tuned = isinstance(ops, TunedOps)
+    disabled = getattr(ops, "disabled", set())
+
+    def routed(op):
+        return tuned and op not in disabled and (op in ops.fused or any(k[0] == op for k in ops.routes))
+
+    counts = {
+        "add_rmsnorm": 1 if routed("add_rmsnorm") else 2,
+        "matmul (qkv, o, gate_up, down)": 4,
+        "rope + kv write": 1 if routed("rope_kv_write") else (3 if batch == 1 else 4),
+        "decode_attention": 2 if routed("decode_attention") else (
+            (1 if batch == 1 else 2) if ops.attention == "sdpa" else 4),
+        "silu_mul": 1 if routed("silu_mul") else 2,
+        "add_rmsnorm (mlp)": 1 if routed("add_rmsnorm") else 2,
+    }
+    counts["total"] = sum(counts.values())
+    return counts
+
+
 def format_table(doc: dict) -> str:
     lines = [f"{'variant':8s} {'batch':>5s} {'ctx':>6s} {'step ms':>9s} {'tokens/s':>10s} "
-             f"{'tokens/J':>9s} {'% floor':>8s}  status"]
+             f"{'tokens/J':>9s} {'%fl+head':>8s} {'no-head ms':>10s} {'% floor':>8s}  status"]
     for r in doc["decode"]:
         ok = r.get("status") == "ok"
         lines.append(
@@ -495,12 +614,24 @@ def format_table(doc: dict) -> str:
             f"{(format(r['step_ms'], '.3f') if ok else '-'):>9s} "
             f"{(format(r['tokens_per_s'], '.0f') if ok else '-'):>10s} "
             f"{(format(r['tokens_per_j'], '.1f') if r.get('tokens_per_j') else '-'):>9s} "
+            f"{(format(r['pct_of_floor_with_head'], '.0f') + '%' if r.get('pct_of_floor_with_head') else '-'):>8s} "
+            f"{(format(r['step_ms_no_head'], '.3f') if r.get('step_ms_no_head') else '-'):>10s} "
             f"{(format(r['pct_of_floor'], '.0f') + '%' if r.get('pct_of_floor') else '-'):>8s}  "
-            f"{r.get('status', '')[:70]}")
+            f"{r.get('status', '')[:60]}")
     for f in doc.get("floors", []):
         if f.get("floor_ms"):
-            lines.append(f"floor B={f['batch']} ctx={f['ctx']}: {f['floor_ms']:.3f} ms "
-                         f"({f['total_bytes'] / 1e9:.2f} GB at {doc.get('copy_bandwidth_gbs', 0):.0f} GB/s)")
+            lines.append(f"floor B={f['batch']} ctx={f['ctx']}: {f['floor_ms']:.3f} ms without LM head "
+                         f"({f['total_bytes_no_head'] / 1e9:.2f} GB), {f['floor_with_head_ms']:.3f} ms with "
+                         f"({f['total_bytes'] / 1e9:.2f} GB) at {doc.get('copy_bandwidth_gbs', 0):.0f} GB/s")
+    if doc.get("floor_note"):
+        lines.append(doc["floor_note"])
+    for r in doc["decode"]:
+        if r["variant"] == "tuned" and r.get("kernels"):
+            lines.append(f"tuned B={r['batch']} ctx={r['ctx']} kernels/layer "
+                         f"{r.get('kernels_per_layer', {}).get('total', '?')} (stock "
+                         f"{r.get('kernels_per_layer_stock', {}).get('total', '?')}):")
+            for op, impl in r["kernels"].items():
+                lines.append(f"  {op:17s} {str(impl)[:150]}")
     for r in doc.get("prefill", []):
         if r.get("status") == "ok":
             tj = f", {r['tokens_per_j']:.1f} tok/J" if r.get("tokens_per_j") else ""
