@@ -35,7 +35,9 @@ class Child:
         self.device = device
         if device.startswith("cuda"):
             torch.cuda.init()
-            torch.cuda.set_device(torch.device(device))
+            dev = torch.device(device)
+            # torch >= 2.11 refuses set_device("cuda") without an index.
+            torch.cuda.set_device(dev.index if dev.index is not None else 0)
         else:
             torch.set_num_threads(1)
         from kernelsearch.harness import sandbox, tensor_io, timing
