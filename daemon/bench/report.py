@@ -116,10 +116,15 @@ def markdown(doc: dict, base: dict | None = None, png_name: str | None = "report
     floors = [f for f in doc.get("floors", []) if f.get("floor_ms")]
     if floors:
         lines += ["", "## Decode bandwidth floor", "",
-                  "(weight bytes + KV read for the context + KV written) / measured copy bandwidth", "",
-                  "| batch | ctx | GB moved | floor ms |", "|---:|---:|---:|---:|"]
+                  "(layer weight bytes + KV read for the context + KV written) / measured copy "
+                  "bandwidth; without and with the final norm + LM head", "",
+                  "| batch | ctx | GB moved (no head) | floor ms (no head) | floor ms (with head) |",
+                  "|---:|---:|---:|---:|---:|"]
         for f in floors:
-            lines.append(f"| {f['batch']} | {f['ctx']} | {f['total_bytes'] / 1e9:.3f} | {f['floor_ms']:.3f} |")
+            gb = f.get("total_bytes_no_head", f["total_bytes"]) / 1e9
+            with_head = f.get("floor_with_head_ms")
+            lines.append(f"| {f['batch']} | {f['ctx']} | {gb:.3f} | {f['floor_ms']:.3f} | "
+                         f"{format(with_head, '.3f') if with_head else '-'} |")
     if doc.get("tuned_kernels"):
         lines += ["", "## Kernels the tuned variant used", ""]
         for shape, used in doc["tuned_kernels"].items():
