@@ -1,0 +1,19 @@
+"""`hwtune daemon`: the service loop (daemon/service.py)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
+    # Its own dest: a subparser default would otherwise overwrite the global --config.
+    p.add_argument("--config", dest="daemon_config", type=Path, default=None, metavar="FILE",
+                   help="service config (root-owned, not group/world-writable); same as the global --config")
+    p.add_argument("--once", action="store_true",
+                   help="recover, apply the profile, check once and exit (settings stay)")
+
+
+def run_daemon(args, ctx) -> int:
+    from daemon.service import Service
+
+    return Service(ctx, config_path=args.daemon_config or ctx.config_path, once=args.once).run()

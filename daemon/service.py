@@ -1,0 +1,435 @@
+"""The service loop behind `hwtune daemon`.
+
+Start: restore a journal an interrupted apply left (engine.rollback, logged), apply the
+configured profile, start the metrics endpoint, then READY=1. Watch every poll_interval_s:
+per GPU telemetry and the profile's drift (engine.verify). Drift is re-applied, at most once
+per reapply_min_interval_s. WATCHDOG=1 goes out at half of WATCHDOG_USEC; STATUS= says what
+the daemon is doing. Without NOTIFY_SOCKET nothing is sent and everything else is the same.
+
+Safety. A *tuning step* is either
+  - the daemon's own apply, until PROBATION_POLLS clean polls have followed it, or
+  - another process tuning: a live `hwtune tune` named in STATE_DIR/tuning.json, or another
+    process holding the writer lock (the pid written in the lock file).
+A thermal event (temperature >= thermal.max_temperature_c, or the SW/HW thermal slowdown
+bits), a power brake (HW power brake bit) or a new XID during a tuning step restores the last
+known-good settings within this poll and is recorded (log + hwtune_restore_total{reason}):
+  - own step: engine.rollback (the journal's originals, i.e. the host before hwtune); the
+    profile stays suspended (no drift re-apply) until SIGHUP or a restart;
+  - another process: SIGTERM to it; `hwtune tune` restores the settings it started from (the
+    daemon's known-good) and exits.
+Outside a tuning step such an event is only logged (the settings were already known good).
+
+Signals: SIGTERM/SIGINT stop (rollback: on_exit -> engine.rollback; never -> keep); SIGHUP
+reloads the config and profile and lifts a suspension.
+
+The watch path imports no torch: only hwtune (engine, backends), prometheus_client and the
+standard library.
+"""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from daemon.config import Config, load_config
+from daemon.notify import Notifier, watchdog_interval_s
+from hwtune.errors import HwtuneError, LockBusyError
+
+THERMAL_BITS = 0x20 | 0x40      # SW thermal slowdown, HW thermal slowdown
+POWER_BRAKE_BITS = 0x80         # HW power brake slowdown
+PROBATION_POLLS = 2
+TUNING_MARKER = "tuning.json"   # written by daemon/tune.py while a tuning cycle runs
+RUNTIME_FILE = "daemon.json"    # pid and metrics port of the running daemon
+LAST_TUNE_FILE = "last_tune.json"
+
+
+def _stderr(line: str) -> None:
+    print(f"hwtune daemon: {line}", file=sys.stderr, flush=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock_held_by_other(state_dir: Path) -> int | None:
+    """Pid of another process holding the writer lock, read without touching the lock: the
+    flock is visible in /proc/locks by inode (probing it with flock would make a concurrent
+    writer fail with 'lock busy')."""
+    path = state_dir / "lock"
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as fh:
+            locks = fh.read().splitlines()
+    except OSError:
+        return None
+    suffix = f":{st.st_ino}"
+    held = any(len(parts) > 5 and parts[1] == "FLOCK" and parts[5].endswith(suffix)
+               and int(parts[5].split(":")[0], 16) * 256 + int(parts[5].split(":")[1], 16) == st.st_dev
+               for parts in (line.split() for line in locks) if len(parts) > 5)
+    if not held:
+        return None
+    try:
+        pid = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return -1
+    return None if pid == os.getpid() else pid
+
+
+def tuning_pid(state_dir: Path) -> int | None:
+    """Pid of a live tuning cycle (STATE_DIR/tuning.json) or of another lock holder."""
+    try:
+        marker = json.loads((state_dir / TUNING_MARKER).read_text())
+        pid = int(marker.get("pid", 0))
+        if pid > 0 and pid != os.getpid() and _pid_alive(pid):
+            return pid
+    except (OSError, ValueError, AttributeError):
+        pass
+    return _lock_held_by_other(state_dir)
+
+
+def safety_events(telemetry: dict, max_temperature_c: float, last_xid: int | None) -> list[tuple[str, str]]:
+    """(event, why) pairs in one GPU's telemetry: thermal, power_brake, xid."""
+    events = []
+    temp = telemetry.get("temperature_c")
+    reasons = int(telemetry.get("clock_event_reasons") or 0)
+    if temp is not None and temp >= max_temperature_c:
+        events.append(("thermal", f"{temp} C >= {max_temperature_c:g} C"))
+    elif reasons & THERMAL_BITS:
+        events.append(("thermal", f"clock event reasons 0x{reasons:x} (thermal slowdown)"))
+    if reasons & POWER_BRAKE_BITS:
+        events.append(("power_brake", f"clock event reasons 0x{reasons:x} (HW power brake)"))
+    xid = telemetry.get("xid_errors")
+    if xid is not None and last_xid is not None and int(xid) > last_xid:
+        events.append(("xid", f"XID errors {last_xid} -> {xid}"))
+    return events
+
+
+@dataclass
+class State:
+    profile: object | None = None
+    profile_name: str | None = None
+    probation: int = 0                 # clean polls still needed after the daemon's own apply
+    suspended: str | None = None       # why the profile is not kept applied
+    last_apply: float = -1e18
+    last_xid: dict = field(default_factory=dict)
+    active: dict = field(default_factory=dict)     # gpu -> set of events currently seen
+    signalled: set = field(default_factory=set)    # (pid, event) already asked to restore
+    drift: int = 0
+    last_tune_mtime: float | None = None
+
+
+class Service:
+    def __init__(self, ctx, config_path: Path | None = None, once: bool = False, log=_stderr,
+                 notifier: Notifier | None = None):
+        self.ctx = ctx
+        self.config_path = config_path if config_path is not None else ctx.config_path
+        self.once = once
+        self.log = log
+        self.notifier = notifier or Notifier.from_env()
+        self.state_dir = Path(ctx.state_dir)
+        self.state = State()
+        self.config = Config()
+        self.host = None
+        self.metrics = None
+        self._status = None
+        self._stop = False
+        self._reload = False
+        self._wake_r = self._wake_w = None
+
+    # -- helpers ---------------------------------------------------------------------------
+    def status(self, text: str) -> None:
+        if text != self._status:
+            self._status = text
+            self.notifier.status(text)
+
+    def _load_config(self) -> Config:
+        if self.config_path is None:
+            return Config()
+        return load_config(self.config_path, require_secure=True)
+
+    def _load_profile(self) -> None:
+        from hwtune.profiles import load
+
+        name = self.config.profile
+        self.state.profile = load(name, self.ctx.profile_dir) if name else None
+        self.state.profile_name = getattr(self.state.profile, "name", name) if name else None
+
+    def _write_runtime(self) -> None:
+        from hwtune.backends import write_json_atomic
+
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.state_dir / RUNTIME_FILE, {
+            "pid": os.getpid(), "started_at": time.time(), "host": self.host.kind,
+            "metrics_port": self.metrics.port if self.metrics else None,
+            "profile": self.state.profile_name, "torch_imported": "torch" in sys.modules})
+
+    # -- hardware --------------------------------------------------------------------------
+    def recover(self) -> None:
+        from hwtune import engine
+
+        pending = engine.pending_journal(self.state_dir)
+        if pending is None:
+            return
+        who = ", ".join(f"{p.get('profile')} (pid {p.get('pid')})" for p in pending.get("profiles", [])) or "unknown"
+        self.status("recovering: restoring the journal an interrupted apply left")
+        self.log(f"journal left by an interrupted apply of {who}: restoring {len(pending['entries'])} original value(s)")
+        restored = engine.rollback(self.host, self.state_dir, self.log)
+        self.log(f"recovered: {len(restored)} value(s) restored")
+
+    def apply_profile(self, why: str) -> bool:
+        from hwtune import engine
+
+        if self.state.profile is None:
+            return False
+        self.status(f"applying profile {self.state.profile_name} ({why})")
+        self.state.probation = PROBATION_POLLS  # a tuning step from here on
+        try:
+            result = engine.apply(self.host, self.state.profile, self.state_dir, self.log)
+        except LockBusyError as exc:
+            self.log(f"apply of {self.state.profile_name} postponed: {exc}")
+            return False
+        self.state.last_apply = time.monotonic()
+        skipped = f", {len(result.skipped)} skipped" if result.skipped else ""
+        self.log(f"profile {self.state.profile_name} applied ({why}): {len(result.changed)} change(s){skipped}")
+        if self.metrics:
+            self.metrics.set_profile(self.state.profile_name)
+        return True
+
+    def restore_known_good(self, event: str, why: str) -> None:
+        from hwtune import engine
+
+        self.log(f"{event} during the daemon's own tuning step ({why}): restoring the settings from before hwtune")
+        self.status(f"restoring known-good settings after {event}")
+        engine.rollback(self.host, self.state_dir, self.log)
+        self.state.suspended = f"{event}: {why}"
+        self.state.probation = 0
+        if self.metrics:
+            self.metrics.inc_restore(event)
+            self.metrics.set_profile(None)
+        self.log(f"profile {self.state.profile_name} suspended until SIGHUP or restart")
+
+    # -- one poll --------------------------------------------------------------------------
+    def poll(self) -> None:
+        from hwtune import engine
+
+        tuner = tuning_pid(self.state_dir)
+        gpus = self.host.gpus.count() if self.host.gpus is not None else 0
+        events_now: list[tuple[int, str, str]] = []
+        for i in range(gpus):
+            try:
+                t = self.host.gpus.telemetry(i)
+            except HwtuneError as exc:
+                self.log(f"gpu{i} telemetry: {exc}")
+                continue
+            if self.metrics:
+                extra = dict(t)
+                try:
+                    extra["power_limit_w"] = self.host.gpus.get_power_limit_w(i)
+                    extra["persistence_mode"] = self.host.gpus.get_persistence_mode(i)
+                except HwtuneError:
+                    pass
+                self.metrics.update_gpu(i, extra)
+            for event, why in safety_events(t, self.config.thermal.max_temperature_c, self.state.last_xid.get(i)):
+                if event in self.config.restore_on:
+                    events_now.append((i, event, why))
+            if t.get("xid_errors") is not None:
+                self.state.last_xid[i] = int(t["xid_errors"])
+
+        seen: dict = {}
+        for i, event, why in events_now:
+            seen.setdefault(i, set()).add(event)
+            fresh = event not in self.state.active.get(i, set())
+            if tuner is not None:
+                if (tuner, event) not in self.state.signalled:
+                    self.state.signalled.add((tuner, event))
+                    self.log(f"gpu{i} {event} ({why}) while pid {tuner} is tuning: asking it to restore (SIGTERM)")
+                    try:
+                        os.kill(tuner, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+                    if self.metrics:
+                        self.metrics.inc_restore(event)
+            elif self.state.probation > 0 and self.state.suspended is None:
+                self.restore_known_good(event, f"gpu{i} {why}")
+            elif fresh:
+                self.log(f"gpu{i} {event} ({why}); settings already known good, nothing restored")
+        self.state.active = seen
+
+        if tuner is not None:
+            self.status(f"watching {gpus} GPU(s); pid {tuner} is tuning, drift checks paused")
+            return
+        if self.state.probation > 0 and not events_now:
+            self.state.probation -= 1
+        if self.state.suspended is None and engine.pending_journal(self.state_dir) is not None:
+            # A tuning run died mid-apply while we watched: restore, then re-apply.
+            self.recover()
+            self.apply_profile("after recovering an interrupted apply")
+            return
+        self.check_drift()
+        self._read_last_tune()
+        what = (f"profile {self.state.profile_name} suspended ({self.state.suspended})" if self.state.suspended
+                else f"profile {self.state.profile_name}" if self.state.profile else "no profile")
+        self.status(f"watching {gpus} GPU(s); {what}; drift {self.state.drift}")
+
+    def check_drift(self) -> None:
+        from hwtune import engine
+
+        if self.state.profile is None or self.state.suspended:
+            return
+        drift = engine.verify(self.host, self.state.profile, self.state_dir)
+        self.state.drift = len(drift)
+        if self.metrics:
+            self.metrics.set_drift(len(drift))
+        if not drift:
+            return
+        since = time.monotonic() - self.state.last_apply
+        if since < self.config.reapply_min_interval_s:
+            self.log(f"drift ({'; '.join(map(str, drift))}); re-apply rate-limited "
+                     f"({since:.0f} s < {self.config.reapply_min_interval_s:g} s since the last apply)")
+            return
+        self.log(f"drift: {'; '.join(map(str, drift))}; re-applying {self.state.profile_name}")
+        if self.apply_profile("drift") and self.metrics:
+            self.metrics.inc_reapply()
+            self.state.drift = 0
+            self.metrics.set_drift(0)
+
+    def _read_last_tune(self) -> None:
+        path = self.state_dir / LAST_TUNE_FILE
+        try:
+            mtime = path.stat().st_mtime
+        except OSError:
+            return
+        if mtime == self.state.last_tune_mtime or self.metrics is None:
+            return
+        self.state.last_tune_mtime = mtime
+        try:
+            self.metrics.set_last_tune(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            self.log(f"{path}: {exc}")
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:
+            self._reload = True
+        else:
+            self._stop = True
+
+    def reload(self) -> None:
+        self.notifier.reloading()
+        try:
+            config = self._load_config()
+        except HwtuneError as exc:
+            self.log(f"reload refused, keeping the running config: {exc}")
+            return
+        self.config = config
+        self._load_profile()
+        self.state.suspended = None
+        self.log(f"config reloaded from {self.config_path or '<defaults>'}: profile {self.state.profile_name}")
+        self.state.last_apply = -1e18
+        self.apply_profile("reload")
+        self.notifier.ready(status=f"reloaded; profile {self.state.profile_name}")
+
+    def stop(self) -> None:
+        from hwtune import engine
+
+        if self.config.rollback == "on_exit":
+            self.notifier.stopping(status="stopping: restoring the settings from before hwtune (rollback: on_exit)")
+            self.log("stopping: rollback on_exit, restoring journaled originals")
+            try:
+                engine.rollback(self.host, self.state_dir, self.log)
+            except LockBusyError as exc:
+                self.log(f"stopping: rollback skipped, another writer holds the lock ({exc}); run `hwtune rollback`")
+        else:
+            self.notifier.stopping(status="stopping: keeping the settings (rollback: never)")
+            self.log("stopping: rollback never, settings kept")
+        if self.metrics:
+            self.metrics.close()
+        try:
+            (self.state_dir / RUNTIME_FILE).unlink()
+        except OSError:
+            pass
+
+    def run(self) -> int:
+        self.config = self._load_config()
+        self.host = self.ctx.open_host()
+        if self.host.read_only:
+            self.log("read-only mode: watching only; nothing will be applied or restored")
+        self._load_profile()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+
+        if not self.host.read_only:
+            self.recover()
+            self.apply_profile("start")
+        if self.config.metrics.enabled and not self.once:
+            from daemon.metrics import Metrics
+
+            self.metrics = Metrics()
+            self.metrics.set_host_kind(self.host.kind)
+            n = self.host.gpus.count() if self.host.gpus is not None else 0
+            for i in range(n):
+                self.metrics.set_gpu_info(i, self.host.gpus.info(i))
+            if self.state.profile_name and self.state.suspended is None:
+                self.metrics.set_profile(self.state.profile_name)
+            if self.config.dispatch_table and Path(self.config.dispatch_table).exists():
+                try:
+                    self.metrics.load_dispatch_table(self.config.dispatch_table)
+                except HwtuneError as exc:
+                    self.log(str(exc))
+            port = self.metrics.serve(self.config.metrics.address, self.config.metrics.port)
+            self.log(f"metrics on http://{self.config.metrics.address}:{port}/metrics")
+        self._write_runtime()
+        self.poll()
+        if self.once:
+            self.log("--once: checked once, exiting with the settings in place")
+            return 0
+        self.notifier.ready(status=self._status or "watching")
+        return self._loop()
+
+    def _loop(self) -> int:
+        interval = watchdog_interval_s()
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        now = time.monotonic()
+        next_poll = now + self.config.poll_interval_s
+        next_ping = now if interval else float("inf")
+        while not self._stop:
+            now = time.monotonic()
+            if now >= next_ping:
+                self.notifier.watchdog()
+                next_ping = now + interval
+            if now >= next_poll:
+                try:
+                    self.poll()
+                except HwtuneError as exc:
+                    self.log(f"poll: {exc}")
+                next_poll = time.monotonic() + self.config.poll_interval_s
+            if self._reload:
+                self._reload = False
+                self.reload()
+                next_poll = time.monotonic()
+            timeout = max(0.0, min(next_poll, next_ping) - time.monotonic())
+            for key, _ in sel.select(timeout):
+                try:
+                    while key.fileobj.recv(64):
+                        pass
+                except (BlockingIOError, InterruptedError):
+                    pass
+        self.stop()
+        return 0
