@@ -20,6 +20,7 @@ SPACE = {
     "PROGRAMS_PER_SM": [0, 2, 8],      # 0: one program per row tile (not persistent)
     "num_warps": [4, 8, 16],
     "num_stages": [1, 2],
+    "ALIGN": [0, 1],                   # 1: odd-width rows as head + aligned body + tail
 }
 
 MAX_TILE_ELEMS = 32768  # launch() clamps the rows per program (and chunks wider rows) to this
@@ -31,7 +32,16 @@ def _valid(p: dict) -> bool:
     return p["BLOCK_N"] == 0 or p["ROWS_PER_PROG"] * p["BLOCK_N"] <= MAX_TILE_ELEMS
 
 
-CONFIGS = [p for p in (dict(zip(SPACE, v)) for v in itertools.product(*SPACE.values())) if _valid(p)]
+# Curated rather than the full product (the bench reaches only part of a big space in its time
+# budget). ALIGN=1 is the same kernel as ALIGN=0 wherever rows are already 16-byte aligned,
+# so the grid below runs with ALIGN=1; the ALIGN=0 entries are the first H200 run's winners.
+_GRID = {"ROWS_PER_PROG": [1, 2, 4], "BLOCK_N": [0, 1024], "PROGRAMS_PER_SM": [0, 2],
+         "num_warps": [4, 8], "num_stages": [1], "ALIGN": [1]}
+_WINNERS_RUN1 = [dict(ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=2, num_warps=4, num_stages=2, ALIGN=0),
+                 dict(ROWS_PER_PROG=2, BLOCK_N=0, PROGRAMS_PER_SM=8, num_warps=16, num_stages=2, ALIGN=0),
+                 dict(ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=0, num_warps=4, num_stages=1, ALIGN=0)]
+CONFIGS = [p for p in (dict(zip(_GRID, v)) for v in itertools.product(*_GRID.values())) if _valid(p)]
+CONFIGS += [p for p in _WINNERS_RUN1 if p not in CONFIGS]
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,8 +122,79 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, M, n_v,
                 tl.store(o_rows + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M", "num_tiles", "stride"])
+def _add_rmsnorm_aligned_kernel(x_ptr, r_ptr, w_ptr, out_ptr, rout_ptr, M, N, stride, eps,
+                                num_tiles, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                ONE_PASS: tl.constexpr, A: tl.constexpr):
+    # Odd-width rows: head [s, s8) + 16-byte-aligned body [s8, e8) + tail [e8, e), as in the
+    # rmsnorm template's aligned kernel; the four [M, N] tensors share one row stride.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    row_ids = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    h = tl.arange(0, A)
+    dt = rout_ptr.dtype.element_ty
+    for tile in range(pid, num_tiles, nprog):
+        rows = tile * ROWS + row_ids
+        row_ok = rows < M
+        s = rows.to(tl.int64) * stride
+        s8 = ((s + (A - 1)) // A) * A
+        e8 = ((s + N) // A) * A
+        head = (s8 - s).to(tl.int32)
+        tail = (s + N - e8).to(tl.int32)
+        body = (e8 - s8).to(tl.int32)
+        hoff = s[:, None] + h[None, :]
+        toff = e8[:, None] + h[None, :]
+        hmask = row_ok[:, None] & (h[None, :] < head[:, None])
+        tmask = row_ok[:, None] & (h[None, :] < tail[:, None])
+        sh = (tl.load(x_ptr + hoff, mask=hmask, other=0.0).to(tl.float32)
+              + tl.load(r_ptr + hoff, mask=hmask, other=0.0).to(tl.float32)).to(dt)
+        st = (tl.load(x_ptr + toff, mask=tmask, other=0.0).to(tl.float32)
+              + tl.load(r_ptr + toff, mask=tmask, other=0.0).to(tl.float32)).to(dt)
+        tl.store(rout_ptr + hoff, sh, mask=hmask)
+        tl.store(rout_ptr + toff, st, mask=tmask)
+        shf = sh.to(tl.float32)
+        stf = st.to(tl.float32)
+        sq_edges = tl.sum(shf * shf, axis=1) + tl.sum(stf * stf, axis=1)
+        if ONE_PASS:
+            boff = s8[:, None] + cols[None, :]
+            bmask = row_ok[:, None] & (cols[None, :] < body[:, None])
+            sb = (tl.load(x_ptr + boff, mask=bmask, other=0.0).to(tl.float32)
+                  + tl.load(r_ptr + boff, mask=bmask, other=0.0).to(tl.float32)).to(dt)
+            tl.store(rout_ptr + boff, sb, mask=bmask)
+            sbf = sb.to(tl.float32)
+            rstd = 1.0 / tl.sqrt((tl.sum(sbf * sbf, axis=1) + sq_edges) / N + eps)
+            wb = tl.load(w_ptr + head[:, None] + cols[None, :], mask=bmask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + boff, (sbf * rstd[:, None] * wb).to(out_ptr.dtype.element_ty), mask=bmask)
+        else:
+            sq = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                boff = s8[:, None] + c[None, :]
+                bmask = row_ok[:, None] & (c[None, :] < body[:, None])
+                sb = (tl.load(x_ptr + boff, mask=bmask, other=0.0).to(tl.float32)
+                      + tl.load(r_ptr + boff, mask=bmask, other=0.0).to(tl.float32)).to(dt)
+                tl.store(rout_ptr + boff, sb, mask=bmask)
+                sbf = sb.to(tl.float32)
+                sq += sbf * sbf
+            rstd = 1.0 / tl.sqrt((tl.sum(sq, axis=1) + sq_edges) / N + eps)
+            # Recomputed from x and residual (L2 hits), not read back from residual_out.
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                boff = s8[:, None] + c[None, :]
+                bmask = row_ok[:, None] & (c[None, :] < body[:, None])
+                sbf = (tl.load(x_ptr + boff, mask=bmask, other=0.0).to(tl.float32)
+                       + tl.load(r_ptr + boff, mask=bmask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+                wb = tl.load(w_ptr + head[:, None] + c[None, :], mask=bmask, other=0.0).to(tl.float32)
+                tl.store(out_ptr + boff, (sbf * rstd[:, None] * wb).to(out_ptr.dtype.element_ty), mask=bmask)
+        wh = tl.load(w_ptr + h[None, :] + 0 * rows[:, None], mask=hmask, other=0.0).to(tl.float32)
+        wt = tl.load(w_ptr + (N - tail)[:, None] + h[None, :], mask=tmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + hoff, (shf * rstd[:, None] * wh).to(out_ptr.dtype.element_ty), mask=hmask)
+        tl.store(out_ptr + toff, (stf * rstd[:, None] * wt).to(out_ptr.dtype.element_ty), mask=tmask)
+
+
 def launch(x, residual, weight, eps, out, residual_out, ROWS_PER_PROG=1, BLOCK_N=0,
-           PROGRAMS_PER_SM=0, num_warps=4, num_stages=1):
+           PROGRAMS_PER_SM=0, num_warps=4, num_stages=1, ALIGN=0):
     M, N = x.shape
     if M == 0 or N == 0:
         return out, residual_out
@@ -129,6 +210,13 @@ def launch(x, residual, weight, eps, out, residual_out, ROWS_PER_PROG=1, BLOCK_N
     grid = num_tiles if PROGRAMS_PER_SM == 0 else min(num_tiles, _sm_count(x.device) * PROGRAMS_PER_SM)
     strides = (x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0))
     vec = _vec_width(x.element_size(), N, *strides)
+    a = 16 // x.element_size()
+    if ALIGN and vec < a and N >= 2 * a and len(set(strides)) == 1:
+        _add_rmsnorm_aligned_kernel[(grid,)](x, residual, weight, out, residual_out, M, N, strides[0],
+                                             float(eps), num_tiles, ROWS=rows, BLOCK_N=block_n,
+                                             ONE_PASS=one_pass, A=a, num_warps=num_warps,
+                                             num_stages=num_stages)
+        return out, residual_out
     _add_rmsnorm_kernel[(grid,)](x, residual, weight, out, residual_out, M, N // vec,
                                  *(st // vec for st in strides), float(eps), num_tiles,
                                  ROWS=rows, BLOCK_N=block_n, ONE_PASS=one_pass, VEC=vec,

@@ -23,6 +23,7 @@ SPACE = {
     "PROGRAMS_PER_SM": [0, 2, 8],      # 0: one program per row tile (not persistent)
     "num_warps": [4, 8, 16],
     "num_stages": [1, 2],
+    "ALIGN": [0, 1],                   # 1: odd-width rows as head + aligned body + tail
 }
 
 # A bigger tile spills registers badly (and compiles slowly): launch() clamps rows to it.
@@ -36,7 +37,17 @@ def _valid(p: dict) -> bool:
     return p["BLOCK_N"] == 0 or p["ROWS_PER_PROG"] * p["BLOCK_N"] <= MAX_TILE_ELEMS
 
 
-CONFIGS = [p for p in (dict(zip(SPACE, v)) for v in itertools.product(*SPACE.values())) if _valid(p)]
+# Curated rather than the full product (the bench reaches only part of a big space in its time
+# budget). ALIGN=1 is the same kernel as ALIGN=0 wherever rows are already 16-byte aligned,
+# so the grid below runs with ALIGN=1; the ALIGN=0 entries are the first H200 run's winners.
+_GRID = {"ROWS_PER_PROG": [1, 2, 4], "BLOCK_N": [0, 1024], "PROGRAMS_PER_SM": [0, 2, 8],
+         "num_warps": [4, 8, 16], "num_stages": [1], "ALIGN": [1]}
+_WINNERS_RUN1 = [dict(ROWS_PER_PROG=2, BLOCK_N=0, PROGRAMS_PER_SM=0, num_warps=8, num_stages=2, ALIGN=0),
+                 dict(ROWS_PER_PROG=2, BLOCK_N=0, PROGRAMS_PER_SM=0, num_warps=4, num_stages=1, ALIGN=0),
+                 dict(ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=2, num_warps=8, num_stages=1, ALIGN=0),
+                 dict(ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=0, num_warps=4, num_stages=1, ALIGN=0)]
+CONFIGS = [p for p in (dict(zip(_GRID, v)) for v in itertools.product(*_GRID.values())) if _valid(p)]
+CONFIGS += [p for p in _WINNERS_RUN1 if p not in CONFIGS]
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,8 +109,67 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, M, n_v, sx_v, so_v, eps, num_tiles,
                 tl.store(o_rows + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M", "num_tiles", "stride"])
+def _rmsnorm_aligned_kernel(x_ptr, w_ptr, out_ptr, M, N, stride, eps, num_tiles,
+                            ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+                            A: tl.constexpr):
+    # Rows whose start is not 16-byte aligned (odd N): each row is split into a head
+    # [s, s8), an aligned body [s8, e8) and a tail [e8, e), with s8 and e8 multiples of A
+    # (A elements = 16 bytes). The body is addressed from s8 = ((s + A - 1) // A) * A and
+    # masked at a multiple of A, so Triton can prove every A-wide group is aligned and
+    # all-or-nothing: 16-byte loads and stores. Head and tail (< A elements each) take one
+    # small masked access apiece. x and out share the row stride (checked by launch()).
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    row_ids = tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    h = tl.arange(0, A)
+    for tile in range(pid, num_tiles, nprog):
+        rows = tile * ROWS + row_ids
+        row_ok = rows < M
+        s = rows.to(tl.int64) * stride
+        s8 = ((s + (A - 1)) // A) * A
+        e8 = ((s + N) // A) * A
+        head = (s8 - s).to(tl.int32)
+        tail = (s + N - e8).to(tl.int32)
+        body = (e8 - s8).to(tl.int32)
+        hmask = row_ok[:, None] & (h[None, :] < head[:, None])
+        tmask = row_ok[:, None] & (h[None, :] < tail[:, None])
+        xh = tl.load(x_ptr + s[:, None] + h[None, :], mask=hmask, other=0.0).to(tl.float32)
+        xt = tl.load(x_ptr + e8[:, None] + h[None, :], mask=tmask, other=0.0).to(tl.float32)
+        sq_edges = tl.sum(xh * xh, axis=1) + tl.sum(xt * xt, axis=1)
+        if ONE_PASS:
+            bmask = row_ok[:, None] & (cols[None, :] < body[:, None])
+            xb = tl.load(x_ptr + s8[:, None] + cols[None, :], mask=bmask, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt((tl.sum(xb * xb, axis=1) + sq_edges) / N + eps)
+            wb = tl.load(w_ptr + head[:, None] + cols[None, :], mask=bmask, other=0.0).to(tl.float32)
+            yb = xb * rstd[:, None] * wb
+            tl.store(out_ptr + s8[:, None] + cols[None, :], yb.to(out_ptr.dtype.element_ty), mask=bmask)
+        else:
+            sq = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                bmask = row_ok[:, None] & (c[None, :] < body[:, None])
+                xb = tl.load(x_ptr + s8[:, None] + c[None, :], mask=bmask, other=0.0).to(tl.float32)
+                sq += xb * xb
+            rstd = 1.0 / tl.sqrt((tl.sum(sq, axis=1) + sq_edges) / N + eps)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                bmask = row_ok[:, None] & (c[None, :] < body[:, None])
+                xb = tl.load(x_ptr + s8[:, None] + c[None, :], mask=bmask, other=0.0).to(tl.float32)
+                wb = tl.load(w_ptr + head[:, None] + c[None, :], mask=bmask, other=0.0).to(tl.float32)
+                yb = xb * rstd[:, None] * wb
+                tl.store(out_ptr + s8[:, None] + c[None, :], yb.to(out_ptr.dtype.element_ty), mask=bmask)
+        wh = tl.load(w_ptr + h[None, :] + 0 * rows[:, None], mask=hmask, other=0.0).to(tl.float32)
+        wt = tl.load(w_ptr + (N - tail)[:, None] + h[None, :], mask=tmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + s[:, None] + h[None, :], (xh * rstd[:, None] * wh).to(out_ptr.dtype.element_ty),
+                 mask=hmask)
+        tl.store(out_ptr + e8[:, None] + h[None, :], (xt * rstd[:, None] * wt).to(out_ptr.dtype.element_ty),
+                 mask=tmask)
+
+
 def launch(x, weight, eps, out, ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=0,
-           num_warps=4, num_stages=1):
+           num_warps=4, num_stages=1, ALIGN=0):
     M, N = x.shape
     if M == 0 or N == 0:
         return out
@@ -113,6 +183,12 @@ def launch(x, weight, eps, out, ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=0,
     num_tiles = triton.cdiv(M, rows)
     grid = num_tiles if PROGRAMS_PER_SM == 0 else min(num_tiles, _sm_count(x.device) * PROGRAMS_PER_SM)
     vec = _vec_width(x.element_size(), N, x.stride(0), out.stride(0))
+    a = 16 // x.element_size()
+    if ALIGN and vec < a and N >= 2 * a and x.stride(0) == out.stride(0):
+        _rmsnorm_aligned_kernel[(grid,)](x, weight, out, M, N, x.stride(0), float(eps), num_tiles,
+                                         ROWS=rows, BLOCK_N=block_n, ONE_PASS=one_pass, A=a,
+                                         num_warps=num_warps, num_stages=num_stages)
+        return out
     _rmsnorm_kernel[(grid,)](x, weight, out, M, N // vec, x.stride(0) // vec, out.stride(0) // vec,
                              float(eps), num_tiles, ROWS=rows, BLOCK_N=block_n,
                              ONE_PASS=one_pass, VEC=vec, num_warps=num_warps, num_stages=num_stages)
