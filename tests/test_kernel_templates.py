@@ -84,17 +84,23 @@ def _cases(kernel, mod):
 
     if kernel in ("rmsnorm", "add_rmsnorm", "softmax"):
         # (2, 33000): a row wider than a register tile, chunked whatever BLOCK_N says
-        shapes = [(1, 37), (5, 300), (3, 1500), (9, 64), (2, 33000)]
+        # (7, 1001) and (3, 5121): odd widths, rows not 16-byte aligned (the ALIGN=1 path)
+        shapes = [(1, 37), (5, 300), (3, 1500), (9, 64), (2, 33000), (7, 1001), (3, 5121)]
         configs = [{}, dict(ROWS_PER_PROG=2, BLOCK_N=256, PROGRAMS_PER_SM=1, num_warps=2),
                    dict(ROWS_PER_PROG=4, BLOCK_N=1024, PROGRAMS_PER_SM=2, num_warps=4),
-                   dict(ROWS_PER_PROG=8, BLOCK_N=0, PROGRAMS_PER_SM=0)]
+                   dict(ROWS_PER_PROG=8, BLOCK_N=0, PROGRAMS_PER_SM=0),
+                   dict(ROWS_PER_PROG=1, BLOCK_N=0, PROGRAMS_PER_SM=0, ALIGN=1),
+                   dict(ROWS_PER_PROG=4, BLOCK_N=256, PROGRAMS_PER_SM=1, num_warps=2, ALIGN=1)]
     elif kernel == "matmul":
         shapes = [(1, 70, 200), (4, 64, 256), (16, 96, 128), (20, 33, 100)]
         configs = [dict(variant="tiled", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2),
                    dict(variant="tiled", BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8),
                    dict(variant="splitk", BLOCK_N=64, BLOCK_K=64, SPLIT_K=1),
                    dict(variant="splitk", BLOCK_N=32, BLOCK_K=32, SPLIT_K=3),
-                   dict(variant="splitk", BLOCK_N=64, BLOCK_K=16, SPLIT_K=4, FMA=1)]
+                   dict(variant="splitk", BLOCK_N=64, BLOCK_K=16, SPLIT_K=4, FMA=1),
+                   # the last-arriving program reduces: counters must come back to zero
+                   dict(variant="splitk", BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, REDUCE="last"),
+                   dict(variant="splitk", BLOCK_N=64, BLOCK_K=16, SPLIT_K=16, FMA=1, REDUCE="last")]
     else:
         shapes = [(2, 4, 2, 50, 16), (1, 6, 2, 130, 24), (3, 2, 2, 33, 32), (1, 8, 1, 16, 8)]
         configs = [dict(BLOCK_S=16, NUM_SPLITS=1), dict(BLOCK_S=32, NUM_SPLITS=4),
@@ -102,7 +108,8 @@ def _cases(kernel, mod):
 
     for shape, params, dtype in itertools.chain(
             ((s, p, torch.float32) for s in shapes for p in configs),
-            ((shapes[1], p, torch.bfloat16) for p in configs[:2])):
+            ((shapes[1], p, torch.bfloat16) for p in configs[:2]),
+            ((shapes[-1], p, torch.bfloat16) for p in configs[-2:])):
         tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
         label = f"{kernel} {shape} {dtype} {params}"
         if kernel == "rmsnorm":
@@ -196,6 +203,9 @@ def _child_main(kernel: str) -> None:
         for k, v in before.items():
             if not torch.equal(v, inp[k]):
                 failures.append(f"{label}: input {k} was modified")
+    for dev, counters in getattr(mod, "_counters", {}).items():  # matmul REDUCE="last"
+        if int(counters.abs().sum()) != 0:
+            failures.append(f"{kernel}: arrival counters on {dev} not back to zero after the launches")
     print(json.dumps({"kernel": kernel, "cases": n, "failures": failures}))
 
 
