@@ -7,6 +7,14 @@ of ROWS_PER_PROG rows; BLOCK_N=0 keeps the whole (padded) row in registers, a po
 loops over the row in chunks (two passes; the second pass mostly hits L1/L2); PROGRAMS_PER_SM>0
 launches a persistent grid of SMs x k programs that stride over the row tiles.
 fp32 accumulation, cast on store.
+
+ALIGN=1 (odd widths, e.g. N=5121 in bf16, where no row start is 16-byte aligned and the VEC
+trick falls to 2-byte accesses: 59% of copy bandwidth on the H200): each row is read and
+written as a head (< 8 elements), a body from the first 16-byte boundary masked at a multiple
+of 8 (Triton then proves 16-byte ld/st.global.v4, checked in the sm_90 PTX), and a tail. The
+weight is read at the row's phase (2-byte loads, L1 hits). Prediction for 8191x5121: from
+67 us toward 43-45 us (about 90% of copy bandwidth, like the aligned 16384x3000); aligned
+shapes run the unchanged kernel.
 """
 from __future__ import annotations
 
