@@ -136,7 +136,7 @@ def _cpu_status(host) -> dict:
         row = summary.setdefault(s["state"], {"state": s["state"], "name": s["name"],
                                               "latency_us": s["latency_us"], "disabled_cpus": 0})
         row["disabled_cpus"] += int(s["disabled"])
-    out = {"target": "cpu", "cpus": len(govs) or None, "governor": values.get("governor"),
+    out = {"target": "cpu", "cpus": len(govs) or len({s["cpu"] for s in states}) or None, "governor": values.get("governor"),
            "available_governors": _safe(errors, "available_governors", host.cpu.available_governors),
            "max_cstate_latency_us": values.get("max_cstate_latency_us"),
            "cstates": list(summary.values())}
@@ -196,7 +196,7 @@ def plan_report(host, profile, state_dir) -> tuple:
             except BadValue as exc:
                 raise profile.error(exc.key, exc.message) from None
             except HwtuneError as exc:  # unavailable, unreadable: skip this knob, say why
-                skipped.append(f"{target} {family}: {exc}")
+                skipped.append(str(exc))  # the errors name their target and knob
                 continue
             for name, new in want.items():
                 if not knob.same(host, target, name, current.get(name), new):
