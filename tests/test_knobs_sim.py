@@ -147,3 +147,12 @@ def test_bios_expectation_is_checked_never_written(tmp_path):
     assert [(d["target"], d["knob"], d["new"]) for d in drift] == [("bios", "PowerProfile", "MaxPerf")]
     assert run_hwtune("--sim", sim, "apply", "-p", prof).returncode == 0
     assert sim.read_bytes() == before
+
+
+def test_gpu_select_by_index_or_uuid_limits_the_targets(tmp_path):
+    sim = make_sim(tmp_path, gpus=4)
+    host = open_host(sim_path=sim)
+    uuid = host.gpus.info(2)["uuid"]
+    for select in ([2], [uuid]):
+        p = Profile.from_dict({"gpu": {"select": select, "power_limit_w": 600}})
+        assert [c.target for c in engine.plan(host, p, tmp_path / "s")] == ["gpu2"]
