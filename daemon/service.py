@@ -163,8 +163,25 @@ class Service:
         from hwtune.profiles import load
 
         name = self.config.profile
+        tuned = self._tuned_profile_path()
+        if tuned is not None:
+            # The nightly tune kept a better point on top of this profile: keep that instead.
+            self.log(f"using {tuned} (kept by hwtune tune on top of {name})")
+            self.state.profile, self.state.profile_name = load(str(tuned), self.ctx.profile_dir), f"{name}+tuned"
+            return
         self.state.profile = load(name, self.ctx.profile_dir) if name else None
         self.state.profile_name = getattr(self.state.profile, "name", name) if name else None
+
+    def _tuned_profile_path(self) -> Path | None:
+        """STATE_DIR/tuned-profile.yaml when the last tune kept it for the configured profile."""
+        try:
+            last = json.loads((self.state_dir / LAST_TUNE_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        path = last.get("kept_profile") if isinstance(last, dict) else None
+        if not path or last.get("base_profile") != self.config.profile or not self.config.profile:
+            return None
+        return Path(path) if Path(path).exists() else None
 
     def _write_runtime(self) -> None:
         from hwtune.backends import write_json_atomic
@@ -173,7 +190,8 @@ class Service:
         write_json_atomic(self.state_dir / RUNTIME_FILE, {
             "pid": os.getpid(), "started_at": time.time(), "host": self.host.kind,
             "metrics_port": self.metrics.port if self.metrics else None,
-            "profile": self.state.profile_name, "torch_imported": "torch" in sys.modules})
+            "profile": self.state.profile_name, "base_profile": self.config.profile,
+            "torch_imported": "torch" in sys.modules})
 
     # -- hardware --------------------------------------------------------------------------
     def recover(self) -> None:
@@ -277,8 +295,8 @@ class Service:
             self.recover()
             self.apply_profile("after recovering an interrupted apply")
             return
-        self.check_drift()
         self._read_last_tune()
+        self.check_drift()
         what = (f"profile {self.state.profile_name} suspended ({self.state.suspended})" if self.state.suspended
                 else f"profile {self.state.profile_name}" if self.state.profile else "no profile")
         self.status(f"watching {gpus} GPU(s); {what}; drift {self.state.drift}")
@@ -310,14 +328,22 @@ class Service:
         try:
             mtime = path.stat().st_mtime
         except OSError:
+            if self.state.last_tune_mtime is None:
+                self.state.last_tune_mtime = 0.0  # none at start: the next one is news
             return
-        if mtime == self.state.last_tune_mtime or self.metrics is None:
+        if mtime == self.state.last_tune_mtime:
             return
+        first = self.state.last_tune_mtime is None
         self.state.last_tune_mtime = mtime
-        try:
-            self.metrics.set_last_tune(json.loads(path.read_text()))
-        except (OSError, ValueError) as exc:
-            self.log(f"{path}: {exc}")
+        if self.metrics is not None:
+            try:
+                self.metrics.set_last_tune(json.loads(path.read_text()))
+            except (OSError, ValueError) as exc:
+                self.log(f"{path}: {exc}")
+        if not first and self._tuned_profile_path() is not None:
+            self._load_profile()  # a tune just kept a point: that is the setting to hold now
+            if self.metrics is not None:
+                self.metrics.set_profile(self.state.profile_name)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:

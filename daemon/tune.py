@@ -1,0 +1,396 @@
+"""The nested tuning cycle behind `hwtune tune`.
+
+Outer loop: hwtune.hwloop over power limit x locked SM clocks, every point applied through
+the engine (plan -> journal -> apply -> read back) and scored by a measured objective:
+  - simulated host: the calibrated model in hwtune.backends.simperf, evaluated at the
+    settings *read back from the host* after the apply (so the write path is exercised);
+    every number is labelled "simulated";
+  - GPU host: a decode-style bf16 GEMV (8192 x 28672, the weight-streaming shape of a decode
+    step) timed with CUDA events, energy from NVML's counter.
+Inner loop: the kernel search (`hwtune search KERNEL`, a child process) at the chosen point;
+on a host without a GPU under the Triton interpreter (--device cpu) with a small budget.
+
+While it runs, STATE_DIR/tuning.json names this process: the daemon pauses drift re-apply
+and, on a thermal / power brake / XID event, sends SIGTERM, which makes this cycle stop at
+the next safe point and restore the settings it started from. The cycle also checks the
+telemetry itself after every measurement. At the end the best point is kept (journaled, so
+`hwtune rollback` undoes it; STATE_DIR/tuned-profile.yaml records it for the daemon) or the
+starting settings are restored (--restore).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hwtune import hwloop
+from hwtune.errors import HwtuneError, LockBusyError, PendingJournalError, UsageError
+from hwtune.hwloop import AbortSearch, Objective, Point, Space
+
+TUNING_MARKER = "tuning.json"
+LAST_TUNE_FILE = "last_tune.json"
+TUNED_PROFILE = "tuned-profile.yaml"
+
+
+def _stderr(line: str) -> None:
+    print(f"hwtune tune: {line}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class TuneOptions:
+    objective: str = "energy"
+    floor: float = 0.98
+    budget: int = 12
+    exhaustive: bool = False
+    workload: str = "decode"
+    kernels: tuple = ("rmsnorm",)
+    kernel_budget: str = "2"
+    keep: bool = True
+    gpus: tuple | None = None
+    nightly: bool = False
+
+
+# -- measuring a point -----------------------------------------------------------------------
+
+def sim_measure(host, gpus: list[int], workload: str):
+    """Score a point with the simulated model at the settings the host reports now."""
+    from hwtune.backends import simperf
+
+    def measure(point: Point) -> dict:
+        rows = []
+        for i in gpus:
+            lock = host.gpus.get_locked_sm_clocks_mhz(i)
+            settings = simperf.Settings(power_limit_w=float(host.gpus.get_power_limit_w(i)),
+                                        sm_clock_mhz=tuple(lock) if isinstance(lock, (tuple, list)) else None)
+            rows.append(simperf.run(workload, settings))
+        n = len(rows)
+        tps = sum(r.tokens_per_s for r in rows) / n
+        power = sum(r.power_w for r in rows) / n
+        return {"tokens_per_s": tps, "tokens_per_j": tps / power, "power_w": power,
+                "sm_clock_mhz": sum(r.sm_clock_mhz for r in rows) / n,
+                "throttle": rows[0].throttle, "source": simperf.SIMULATED_LABEL}
+    return measure
+
+
+def gpu_measure(host, gpus: list[int], seconds: float = 2.0):
+    """Decode-style GEMV on the first selected GPU: tokens/s = GEMVs/s, energy from NVML.
+    Imports torch only here, on a GPU host."""
+    import torch
+
+    i = gpus[0]
+    dev = torch.device(f"cuda:{i}")
+    w = torch.randn(28672, 8192, dtype=torch.bfloat16, device=dev)
+    x = torch.randn(8192, 1, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(28672, 1, dtype=torch.bfloat16, device=dev)
+
+    def measure(point: Point) -> dict:
+        for _ in range(20):
+            torch.matmul(w, x, out=out)
+        torch.cuda.synchronize(dev)
+        e0 = host.gpus.telemetry(i).get("energy_mj")
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(50):
+                torch.matmul(w, x, out=out)
+            torch.cuda.synchronize(dev)
+            n += 50
+        dt = time.perf_counter() - t0
+        t = host.gpus.telemetry(i)
+        joules = (t["energy_mj"] - e0) / 1000.0 if e0 is not None and t.get("energy_mj") is not None else None
+        tps = n / dt
+        return {"tokens_per_s": tps, "tokens_per_j": (n / joules) if joules else 0.0,
+                "power_w": (joules / dt) if joules else t.get("power_w"), "sm_clock_mhz": t.get("sm_clock_mhz"),
+                "source": "measured: bf16 GEMV 8192x28672 on " + host.gpus.info(i).get("name", f"gpu{i}")}
+    return measure
+
+
+# -- safety ----------------------------------------------------------------------------------
+
+class Guard:
+    """Stops the search at a safe point after SIGTERM or a safety event in the telemetry."""
+
+    def __init__(self, host, gpus: list[int], max_temperature_c: float, restore_on, log):
+        from daemon.service import safety_events
+
+        self.host, self.gpus, self.max_t, self.restore_on, self.log = host, gpus, max_temperature_c, restore_on, log
+        self._events = safety_events
+        self.stop_reason: str | None = None
+        self.last_xid = {}
+        for i in gpus:
+            self.last_xid[i] = self.host.gpus.telemetry(i).get("xid_errors")
+
+    def on_sigterm(self, signum, frame) -> None:
+        self.stop_reason = "asked to stop (SIGTERM)"
+
+    def check(self) -> None:
+        if self.stop_reason:
+            raise AbortSearch(self.stop_reason)
+        for i in self.gpus:
+            t = self.host.gpus.telemetry(i)
+            for event, why in self._events(t, self.max_t, self.last_xid.get(i)):
+                if event in self.restore_on:
+                    self.stop_reason = f"gpu{i} {event}: {why}"
+                    raise AbortSearch(self.stop_reason)
+
+
+# -- the cycle -------------------------------------------------------------------------------
+
+def _select_gpus(host, wanted) -> list[int]:
+    n = host.gpus.count() if host.gpus is not None else 0
+    if n == 0:
+        raise UsageError(f"no GPUs to tune ({host.gpu_error or 'none found'}); "
+                         "use --sim HOST.json for the simulated host")
+    gpus = list(range(n)) if not wanted else list(wanted)
+    for i in gpus:
+        if not 0 <= i < n:
+            raise UsageError(f"--gpus {i}: no such GPU (this host has {n})")
+    return gpus
+
+
+def _write_json(path: Path, data) -> None:
+    from hwtune.backends import write_json_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, data)
+
+
+def run_kernels(ctx, kernels, device: str, budget: str, log) -> list[dict]:
+    """The inner loop at the chosen point: `hwtune search KERNEL` in a child process."""
+    rows = []
+    for kernel in kernels:
+        cmd = [sys.executable, "-m", "daemon.cli", "--state-dir", str(ctx.state_dir), "search", kernel,
+               "--device", device, "--budget", budget, "--json"]
+        log(f"kernel search: {kernel} on {device} (budget {budget})")
+        env = dict(os.environ)
+        if device == "cpu":
+            env["TRITON_INTERPRET"] = "1"
+        root = Path(__file__).resolve().parents[1]
+        env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+        t0 = time.monotonic()
+        try:
+            p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+        except subprocess.TimeoutExpired:
+            rows.append({"kernel": kernel, "device": device, "ok": False, "error": "timed out"})
+            continue
+        row = {"kernel": kernel, "device": device, "ok": p.returncode == 0, "rc": p.returncode,
+               "seconds": round(time.monotonic() - t0, 1)}
+        try:
+            row["result"] = json.loads(p.stdout) if p.stdout.strip() else None
+        except ValueError:
+            row["result"] = None
+        if p.returncode != 0:
+            row["error"] = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+            log(f"kernel search {kernel}: failed ({row['error']})")
+        rows.append(row)
+    return rows
+
+
+def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
+    """Run the cycle; returns the JSON report."""
+    from hwtune import engine
+
+    host = ctx.open_host()
+    gpus = _select_gpus(host, opts.gpus)
+    space = Space.from_host(host, gpus)
+    objective = Objective(opts.objective, opts.floor)
+    simulated = host.kind == "sim"
+    state_dir = Path(ctx.state_dir)
+    source = "simulated" if simulated else "measured"
+    report: dict = {"host": host.kind, "source": source, "gpus": gpus, "objective": opts.objective,
+                    "floor": opts.floor, "budget": opts.budget, "workload": opts.workload if simulated else "gemv",
+                    "space": space.to_json()}
+    if simulated:
+        log("simulated host: every number below comes from the calibrated H200 model (simperf), not a GPU")
+
+    if host.read_only:
+        # Refuse to write; on the sim the model can still say what tuning would find.
+        report["read_only"] = True
+        log("read-only: nothing will be written; reporting what tuning would do")
+        if simulated:
+            from hwtune.backends import simperf
+
+            def predict(point):
+                lock = (space.sm_clock_min_mhz, point.sm_clock_max_mhz) if point.sm_clock_max_mhz else None
+                r = simperf.run(opts.workload, simperf.Settings(point.power_limit_w, lock))
+                return {"tokens_per_s": r.tokens_per_s, "tokens_per_j": r.tokens_per_j, "power_w": r.power_w,
+                        "source": simperf.SIMULATED_LABEL + ", predicted"}
+            res = hwloop.search(space, predict, lambda p: None, objective, opts.budget, "boundary", log)
+            report["search"] = res.to_json()
+            report["would_keep"] = res.best.point.to_json() if res.best else None
+        return report
+
+    if engine.pending_journal(state_dir) is not None:
+        raise PendingJournalError(f"an interrupted apply left a journal in {state_dir}; "
+                                  "run `hwtune rollback` (or start the daemon) first")
+    marker = state_dir / TUNING_MARKER
+    try:
+        other = json.loads(marker.read_text()).get("pid")
+        if other and other != os.getpid():
+            os.kill(int(other), 0)
+            raise LockBusyError(f"pid {other} is already tuning ({marker})")
+    except (OSError, ValueError, AttributeError):
+        pass
+
+    from daemon.config import Config, load_config
+
+    config = Config()
+    if opts.nightly and ctx.config_path is not None:
+        config = load_config(ctx.config_path)
+    base_profile = config.profile or _daemon_base_profile(state_dir)
+    guard = Guard(host, gpus, config.thermal.max_temperature_c, config.restore_on, log)
+    applier = hwloop.HostApplier(host, state_dir, gpus, space.sm_clock_min_mhz, log=lambda s: None)
+    baseline = applier.baseline()
+    report["baseline"] = baseline.to_json()
+    measure_fn = sim_measure(host, gpus, opts.workload) if simulated else gpu_measure(host, gpus)
+
+    def apply_point(point: Point) -> None:
+        guard.check()
+        for attempt in range(20):
+            try:
+                applier(point)
+                return
+            except LockBusyError:
+                # The daemon is writing (a re-apply, a restore): wait for it.
+                time.sleep(0.1 * (attempt + 1))
+        applier(point)
+
+    def measure(point: Point) -> dict:
+        guard.check()
+        m = measure_fn(point)
+        guard.check()
+        return m
+
+    old_term = signal.signal(signal.SIGTERM, guard.on_sigterm)
+    _write_json(marker, {"pid": os.getpid(), "started_at": time.time(), "objective": opts.objective})
+    t0 = time.monotonic()
+    try:
+        result = hwloop.search(space, measure, apply_point, objective, opts.budget, "boundary", log)
+        report["search"] = result.to_json()
+        if opts.exhaustive and not result.aborted:
+            log(f"exhaustive sweep of the same space ({len(space.points())} points) for comparison")
+            full = hwloop.search(space, measure, apply_point, objective, opts.budget, "exhaustive",
+                                 lambda s: None)
+            report["exhaustive"] = full.to_json()
+        # Safety first: after an abort the starting settings come back regardless of --keep.
+        guard.stop_reason = None
+        kept = hwloop.finish(result, applier, baseline, opts.keep and not result.aborted, log)
+        report["kept"] = kept.to_json()
+        report["aborted"] = result.aborted
+        # Written before the marker goes: the daemon must learn the kept point before it
+        # checks drift again, or it would put its profile back over it.
+        _record(state_dir, report, result, kept, baseline, gpus, space, opts, source, base_profile)
+    except BaseException:
+        # Whatever went wrong, leave the host where it started.
+        try:
+            hwloop.finish(hwloop.SearchResult("boundary", objective, space, aborted="error"), applier,
+                          baseline, False, log)
+        except HwtuneError as exc:
+            log(f"could not restore {baseline.label()}: {exc}; run `hwtune rollback`")
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        try:
+            marker.unlink()
+        except OSError:
+            pass
+    report["seconds"] = round(time.monotonic() - t0, 2)
+
+    if opts.kernels and not result.aborted:
+        device = "cuda" if not simulated and _has_cuda() else "cpu"
+        report["kernels"] = run_kernels(ctx, opts.kernels, device, opts.kernel_budget, log)
+    return report
+
+
+def _daemon_base_profile(state_dir: Path) -> str | None:
+    """The configured profile of a daemon running on this state directory, if any."""
+    try:
+        info = json.loads((state_dir / "daemon.json").read_text())
+        os.kill(int(info["pid"]), 0)
+        return info.get("base_profile")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _record(state_dir, report, result, kept, baseline, gpus, space, opts, source, base_profile) -> None:
+    """STATE_DIR/tuned-profile.yaml (the kept point on top of the daemon's profile) and
+    STATE_DIR/last_tune.json (what the daemon exports and adopts)."""
+    best = result.best
+    tuned = state_dir / TUNED_PROFILE
+    if kept != baseline and best is not None:
+        profile = {"description": f"kept by hwtune tune ({opts.objective}, {source})",
+                   **({"include": [base_profile]} if base_profile else {}),
+                   "gpu": kept.gpu_section(gpus, space.sm_clock_min_mhz)}
+        _write_json(tuned, profile)  # JSON is YAML
+        report["tuned_profile"] = str(tuned)
+    objective_value = None
+    if best is not None and best.metrics:
+        objective_value = best.metrics["tokens_per_j" if opts.objective == "energy" else "tokens_per_s"]
+    _write_json(state_dir / LAST_TUNE_FILE, {
+        "timestamp_s": time.time(), "objective": objective_value, "ok": not result.aborted,
+        "source": source, "kept": kept.to_json(), "kept_profile": report.get("tuned_profile"),
+        "base_profile": base_profile})
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+# -- report ----------------------------------------------------------------------------------
+
+def summary(report: dict) -> dict:
+    """Headline numbers: best vs stock, evaluations, and vs the exhaustive best."""
+    s = report.get("search") or {}
+    ref = (s.get("reference") or {}).get("metrics") or {}
+    best = (s.get("best") or {}).get("metrics") or {}
+    out = {"evaluations": s.get("evaluations_used"), "best": (s.get("best") or {}).get("label")}
+    if ref and best:
+        out["tokens_per_j_vs_stock"] = best["tokens_per_j"] / ref["tokens_per_j"] if ref.get("tokens_per_j") else None
+        out["tokens_per_s_vs_stock"] = best["tokens_per_s"] / ref["tokens_per_s"]
+    ex = report.get("exhaustive")
+    if ex and ex.get("best") and best:
+        eb = ex["best"]["metrics"]
+        out["exhaustive_evaluations"] = ex["evaluations_used"]
+        out["exhaustive_best"] = ex["best"]["label"]
+        key = "tokens_per_j" if report["objective"] == "energy" else "tokens_per_s"
+        out["found_vs_exhaustive"] = best[key] / eb[key]
+    return out
+
+
+def format_table(report: dict) -> str:
+    s = report.get("search") or {}
+    lines = [f"hwtune tune ({report['source']}, objective {report['objective']}, floor {report['floor']:.0%} "
+             f"of stock tokens/s, GPUs {report['gpus']})",
+             f"{'#':>3}  {'point':28s} {'tokens/s':>10} {'tokens/J':>9} {'power W':>8}  status"]
+    for n, e in enumerate(s.get("evaluations", []), 1):
+        m = e.get("metrics") or {}
+        lines.append(f"{n:>3}  {e['label']:28s} {m.get('tokens_per_s', float('nan')):10.1f} "
+                     f"{m.get('tokens_per_j', float('nan')):9.3f} {m.get('power_w') or float('nan'):8.0f}  "
+                     f"{e['status']}")
+    sm = summary(report)
+    if sm.get("tokens_per_j_vs_stock") is not None:
+        lines.append(f"best: {sm['best']}: {sm['tokens_per_j_vs_stock']:.3f}x tokens/J, "
+                     f"{sm['tokens_per_s_vs_stock']:.1%} of stock tokens/s, in {sm['evaluations']} evaluations")
+    if "exhaustive_best" in sm:
+        lines.append(f"exhaustive ({sm['exhaustive_evaluations']} evaluations): {sm['exhaustive_best']}; "
+                     f"found/exhaustive = {sm['found_vs_exhaustive']:.3f}")
+    if report.get("kept"):
+        lines.append(f"left at: {Point(**report['kept']).label()}"
+                     + (" (kept, journaled: `hwtune rollback` undoes it)" if report["kept"] != report.get("baseline")
+                        else " (the starting settings)"))
+    if report.get("aborted"):
+        lines.append(f"ABORTED: {report['aborted']}; starting settings restored")
+    for k in report.get("kernels") or []:
+        lines.append(f"kernel {k['kernel']} ({k['device']}): {'ok' if k['ok'] else 'failed: ' + k.get('error', '')}")
+    if report.get("read_only"):
+        lines.append("read-only: nothing was written" + ("; would keep " + Point(**report["would_keep"]).label()
+                                                          if report.get("would_keep") else ""))
+    return "\n".join(lines)

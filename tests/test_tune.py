@@ -1,0 +1,146 @@
+"""`hwtune tune` on the simulated host, as child processes."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT, run_hwtune
+from tests.test_daemon import WAIT_S, Daemon, Host, _env, wait_until
+
+
+@pytest.fixture
+def host(tmp_path):
+    return Host(tmp_path)
+
+
+def tune(host, *args, check=True):
+    r = run_hwtune("--sim", host.sim, "tune", "--json", *args, check=check, timeout=600)
+    return r, (json.loads(r.stdout) if r.stdout.strip() else None)
+
+
+def test_energy_tuning_beats_stock_by_125x_within_12_evaluations_and_matches_exhaustive(host):
+    r, report = tune(host, "--objective", "energy", "--floor", "0.98", "--budget", "12", "--exhaustive",
+                     "--no-kernels")
+    s = report["summary"]
+    assert report["source"] == "simulated" and "simulated" in r.stderr
+    assert s["evaluations"] <= 12
+    assert s["tokens_per_j_vs_stock"] >= 1.25 and s["tokens_per_s_vs_stock"] >= 0.98
+    assert s["exhaustive_evaluations"] == report["space"]["size"]
+    assert s["found_vs_exhaustive"] >= 0.97
+    # The best point is kept, journaled: the host holds it, and rollback undoes it exactly.
+    kept = report["kept"]
+    assert kept != report["baseline"]
+    gpu = host.gpu(0)
+    assert gpu["power_limit_w"] == kept["power_limit_w"]
+    assert gpu["locked_sm_clocks_mhz"][1] == kept["sm_clock_max_mhz"]
+    run_hwtune("--sim", host.sim, "rollback", check=True)
+    assert host.status() == host.original
+
+
+def test_restore_leaves_the_host_as_it_started(host):
+    _, report = tune(host, "--restore", "--no-kernels", "--budget", "6")
+    assert report["kept"] == report["baseline"]
+    assert len(report["search"]["evaluations"]) <= 6
+    run_hwtune("--sim", host.sim, "rollback", check=True)
+    assert host.status() == host.original
+
+
+def test_read_only_tune_writes_nothing_and_says_what_it_would_keep(host):
+    before = host.sim.read_bytes()
+    r = run_hwtune("--sim", host.sim, "--read-only", "tune", "--json", "--no-kernels", check=True)
+    report = json.loads(r.stdout)
+    assert report["read_only"] is True and report["would_keep"]
+    assert host.sim.read_bytes() == before
+    assert not (host.state / "journal.json").exists()
+
+
+def test_throughput_objective_keeps_throughput_within_half_a_percent(host):
+    _, report = tune(host, "--objective", "throughput", "--workload", "gemm", "--no-kernels")
+    assert report["summary"]["tokens_per_s_vs_stock"] >= 0.995
+
+
+def test_kernel_search_runs_at_the_chosen_point_under_the_interpreter(host):
+    _, report = tune(host, "--budget", "3", "--kernels", "rmsnorm", "--kernel-budget", "1")
+    assert [k["kernel"] for k in report["kernels"]] == ["rmsnorm"]
+    assert report["kernels"][0]["device"] == "cpu" and report["kernels"][0]["ok"]
+
+
+def _start_tune(host, *args):
+    return subprocess.Popen([sys.executable, "-m", "daemon.cli", "--sim", str(host.sim), "tune", "--no-kernels",
+                             "--json", *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _evaluations_started(host, n):
+    try:
+        j = json.loads((host.state / "journal.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return len(j.get("profiles", [])) >= n
+
+
+def test_kill9_mid_tune_leaves_nothing_the_next_daemon_start_does_not_restore(host):
+    host.set("write_delay_ms=60")
+    proc = _start_tune(host)
+    try:
+        wait_until(lambda: _evaluations_started(host, 3) and
+                   json.loads((host.state / "journal.json").read_text())["status"] == "in_progress",
+                   "the tune to be in the middle of an apply")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    host.set("write_delay_ms=0")
+    config = host.config(rollback="never", metrics={"enabled": False})
+    r = run_hwtune("--sim", host.sim, "daemon", "--config", config, "--once", check=True)
+    assert "journal left by an interrupted apply" in r.stderr
+    assert r.stderr.index("recovered:") < r.stderr.index("profile efficiency applied")
+    assert run_hwtune("--sim", host.sim, "verify", "-p", "efficiency").returncode == 0
+    run_hwtune("--sim", host.sim, "rollback", check=True)
+    assert host.status() == host.original
+
+
+def test_thermal_event_during_a_tune_restores_the_daemons_settings(host):
+    config = host.config(rollback="never")
+    d = Daemon(host, config)
+    try:
+        d.ready()
+        host.set("write_delay_ms=60")
+        proc = _start_tune(host, "--exhaustive")
+        wait_until(lambda: _evaluations_started(host, 4), "the tune to be running")
+        d.wait_message(lambda m: "is tuning" in m.get("STATUS", ""), "the daemon to see the tune")
+        host.set("gpus.0.telemetry.temperature_c=96")
+        out, err = proc.communicate(timeout=WAIT_S)
+        assert proc.returncode == 1, err[-3000:]
+        report = json.loads(out)
+        assert report["aborted"] and report["kept"] == report["baseline"]
+        host.set("write_delay_ms=0")
+        # Back at the daemon's profile (its known-good), and the daemon did not fight the tune.
+        assert run_hwtune("--sim", host.sim, "verify", "-p", "efficiency").returncode == 0
+        assert d.proc.poll() is None
+    finally:
+        d.close()
+
+
+def test_daemon_holds_the_point_a_tune_kept_instead_of_reverting_it(host):
+    d = Daemon(host, host.config(rollback="never"))
+    try:
+        info = d.ready()
+        _, report = tune(host, "--no-kernels", "--nightly", "--budget", "8")
+        kept = report["kept"]
+        d.wait_message(lambda m: "efficiency+tuned" in m.get("STATUS", ""), "the daemon to adopt the tuned point")
+        n = len(d.messages)
+        d.wait_message(lambda m: sum("watching" in x.get("STATUS", "") or "WATCHDOG" in x
+                                     for x in d.messages[n:]) >= 5, "a few more polls")
+        gpu = host.gpu(0)
+        assert gpu["power_limit_w"] == kept["power_limit_w"]
+        assert gpu["locked_sm_clocks_mhz"][1] == kept["sm_clock_max_mhz"]
+        assert "hwtune_last_tune_ok 1.0" in d.scrape(info["metrics_port"])
+    finally:
+        d.close()
