@@ -67,7 +67,7 @@ class Notifier:
 
     def notify(self, **fields: object) -> bool:
         """Send KEY=value lines (keyword names are upper-cased: ready=1 -> READY=1).
-        Returns False when there is no socket (nothing sent)."""
+        Returns False when there is no socket or its queue is full (nothing sent)."""
         if not self.enabled or not fields:
             return False
         lines = []
@@ -83,7 +83,11 @@ class Notifier:
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.sendto(payload, _socket_address(self.address))
+            # Never block the service loop on a reader that is not reading (systemd always
+            # reads; a stalled test socket must not stall the watchdog path): drop instead.
+            self._sock.sendto(payload, socket.MSG_DONTWAIT, _socket_address(self.address))
+        except BlockingIOError:
+            return False
         except OSError as exc:
             raise NotifyError(f"NOTIFY_SOCKET={self.address}: cannot send {lines[0]}...: {exc}") from exc
         return True
