@@ -475,6 +475,9 @@ class Bench:
             ops.disabled = set(disabled)
             try:
                 graph, out = capture_graph(lambda: model.decode_step(tokens, positions, ops))
+                # Capture records work without running it: replay once before reading `out`.
+                graph.replay()
+                torch.cuda.synchronize()
                 err = rel_l2(out.float(), ref)
                 if not err <= tol:
                     return {"disabled": sorted(disabled), "error": f"rel_l2 {err:.2e} > {tol:g}"}, None
