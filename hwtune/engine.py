@@ -245,7 +245,7 @@ def _undo(host, items: list, log) -> list:
             if knob.same(host, change.target, change.knob, now, value):
                 continue  # never changed (the failing write did not happen)
             knob.restore(host, change.target, change.knob, value)
-            log(f"restored {change.target} {change.knob} = {_fmt(value)}")
+            log(f"restored {change.target} {change.knob} = {_fmt(knob.show(host, change.target, change.knob, value))}")
         except BaseException as exc:  # keep restoring the rest
             failures.append(f"{change.target} {change.knob}: {exc}")
     return failures
@@ -360,7 +360,7 @@ def rollback(host, state_dir, log: Callable[[str], None] = _stderr) -> list:
                 if not knob.same(host, target, name, current, original):
                     knob.restore(host, target, name, original)
                     restored.append(Change(target, name, current, original, entry["family"]))
-                    log(f"restored {target} {name}: {_fmt(current)} -> {_fmt(original)}")
+                    log(f"restored {target} {name}: {_fmt(current)} -> {_fmt(knob.show(host, target, name, original))}")
             except BaseException as exc:
                 failed.append((entry, exc))
                 log(f"could not restore {target} {name}: {exc}")

@@ -156,3 +156,15 @@ def test_gpu_select_by_index_or_uuid_limits_the_targets(tmp_path):
     for select in ([2], [uuid]):
         p = Profile.from_dict({"gpu": {"select": select, "power_limit_w": 600}})
         assert [c.target for c in engine.plan(host, p, tmp_path / "s")] == ["gpu2"]
+
+
+def test_rollback_lines_say_what_was_restored_in_profile_terms(tmp_path):
+    sim = make_sim(tmp_path)
+    host = open_host(sim_path=sim)
+    profile = Profile.from_dict({"cpu": {"governor": "performance", "max_cstate_latency_us": 2}})
+    engine.apply(host, profile, tmp_path / "s", log=lambda line: None)
+    lines = []
+    engine.rollback(host, tmp_path / "s", log=lines.append)
+    n = len(host.cpu.cstates())
+    assert lines == [f"restored cpu max_cstate_latency_us: 2 -> 133 (0 of {n} idle states disabled)",
+                     "restored cpu governor: performance -> powersave"]

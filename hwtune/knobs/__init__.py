@@ -6,7 +6,8 @@ function, the CPUs). Interface (docs/ARCHITECTURE.md):
 `desired(host, target, section) -> {field: value}` (validated against what the device
 reports; raises BadValue naming the profile key), `original(host, target, field)` (what the
 journal keeps: for locked clocks always "reset"), `write(host, target, field, value)`,
-`restore(host, target, field, original)`, `same(host, target, field, current, wanted)`.
+`restore(host, target, field, original)`, `same(host, target, field, current, wanted)`,
+`show(host, target, field, value)` (a value, journaled originals included, in the profile's terms).
 """
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ class Knob:
 
     def same(self, host, target: str, field: str, current, wanted) -> bool:
         return current == wanted
+
+    def show(self, host, target: str, field: str, value):
+        """`value` as people read it (the journal may keep a more exact form)."""
+        return value
 
 
 def gpu_index(target: str) -> int:

@@ -57,6 +57,11 @@ class CpuGovernorKnob(Knob):
             return host.cpu.governors() == wanted
         return current == wanted
 
+    def show(self, host, target, field, value):
+        if isinstance(value, dict) and len(set(value.values())) == 1:
+            return next(iter(value.values()))
+        return value
+
 
 class CpuIdleKnob(Knob):
     family = "cpu_idle"
@@ -101,3 +106,13 @@ class CpuIdleKnob(Knob):
         if wanted is None:
             return current is None
         return all(s["disabled"] == (s["latency_us"] > int(wanted)) for s in host.cpu.cstates())
+
+    def show(self, host, target, field, value):
+        """A journaled per-state map reads as the limit it amounts to (as `read` reports it)
+        and how many states it disables, e.g. "133 (0 of 16 idle states disabled)"."""
+        if not isinstance(value, dict):
+            return value
+        latency = {_key(s): s["latency_us"] for s in host.cpu.cstates()}
+        enabled = [latency[k] for k, disabled in value.items() if not disabled and k in latency]
+        limit = max(enabled) if enabled else -1
+        return f"{limit} ({sum(map(bool, value.values()))} of {len(value)} idle states disabled)"
