@@ -5,6 +5,8 @@ fsync of the directory), so restore never depends on an orderly shutdown. `statu
 "in_progress" while an apply runs and "committed" after it succeeded; a journal found
 "in_progress" was left by an apply that did not finish. Only the earliest original of each
 (target, field) is kept, so rollback returns to the host as it was before hwtune.
+`profiles` names the applies behind it, newest last: one row per profile name and at most
+MAX_PROFILES rows, so a long tune (one apply per point) does not grow the file per apply.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from hwtune.errors import HwtuneError
 
 IN_PROGRESS = "in_progress"
 COMMITTED = "committed"
+MAX_PROFILES = 8
 
 
 def journal_path(state_dir) -> Path:
@@ -57,7 +60,9 @@ class Journal:
 
     def begin(self, profile_name: str) -> None:
         self.data["status"] = IN_PROGRESS
-        self.data["profiles"].append({"profile": profile_name, "started_at": time.time(), "pid": os.getpid()})
+        runs = [p for p in self.data.get("profiles", []) if p.get("profile") != profile_name]
+        runs.append({"profile": profile_name, "started_at": time.time(), "pid": os.getpid()})
+        self.data["profiles"] = runs[-MAX_PROFILES:]
         self.save()
 
     def find(self, target: str, field: str) -> dict | None:

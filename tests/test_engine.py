@@ -104,3 +104,21 @@ def test_read_back_mismatch_restores_everything(tmp_path, monkeypatch):
         engine.apply(host, Profile.from_dict({"gpu": {"power_limit_w": 500, "persistence_mode": True}}),
                      tmp_path / "s", log=lambda line: None)
     assert engine.status(host, tmp_path / "s") == before
+
+
+def test_journal_profiles_stay_bounded_over_many_applies(tmp_path):
+    from hwtune.journal import MAX_PROFILES
+
+    sim = make_sim(tmp_path)
+    state = tmp_path / "s"
+    host = open_host(sim_path=sim)
+    # A tune applies one profile per point; the same point again must not add a row either.
+    for w in list(range(300, 300 + 10 * (MAX_PROFILES + 2), 10)) + [300, 300]:
+        engine.apply(host, Profile.from_dict({"gpu": {"power_limit_w": w}}, f"<point {w}W>"), state,
+                     log=lambda line: None)
+    runs = json.loads((state / "journal.json").read_text())["profiles"]
+    names = [r["profile"] for r in runs]
+    assert len(names) == MAX_PROFILES and len(set(names)) == len(names) and names[-1] == "<point 300W>"
+    assert engine.status(host, state)["journal"]["profiles"] == names
+    engine.rollback(host, state, log=lambda line: None)
+    assert engine.status(host, state)["gpus"][0]["power_limit_w"] == 700
