@@ -112,6 +112,19 @@ def test_guard7_static_check_refuses_torch_matmul_and_host_escapes():
     assert static_check.check_source((CANDIDATES / "honest_matmul.py").read_text()) == []
 
 
+def test_guard7_static_check_refuses_harness_detection_frames_and_attribute_access_by_string():
+    rejected(check("hack_detect_harness"), "static")     # honest only under the harness's module name
+    v = check("hack_patch_harness_clock")                 # operator.attrgetter("sys._getframe")
+    rejected(v, "static")
+    assert ".attrgetter" in v.reason
+    src = "import torch\nimport triton\n@triton.jit\ndef k(x):\n    pass\n"
+    for bad in ("if __name__ == 'hwtune_candidate': pass", "p = __file__", "argv = torch.sys.argv",
+                "torch.os.kill(1, 9)", "t = torch.threading.Thread", "from operator import attrgetter",
+                "import operator\nf = operator.methodcaller('cpu')", "g = torch.sys._getframe(1).f_globals",
+                "from typing import get_type_hints"):
+        assert static_check.check_source(src + bad + "\n"), bad
+
+
 def test_guard7_candidate_that_launches_no_triton_kernel_is_rejected():
     rejected(check("hack_no_launch"), "not_triton")
 

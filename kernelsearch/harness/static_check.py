@@ -23,6 +23,14 @@ FORBIDDEN_ATTRS = {
     "compile", "manual_seed", "seed", "set_rng_state", "environ", "backends",
     "set_default_dtype", "set_float32_matmul_precision", "use_deterministic_algorithms",
     "set_flush_denormal", "set_num_threads", "system", "popen", "modules",
+    # the host and the harness through module attributes (torch.sys, torch.os, typing.sys, ...)
+    "sys", "os", "_os", "_sys", "posix", "builtins", "threading", "_thread", "subprocess",
+    "ctypes", "importlib", "inspect", "signal",
+    # frames: the caller's (the harness's) locals and module globals
+    "_getframe", "f_globals", "f_locals", "f_back", "f_builtins", "gi_frame", "cr_frame",
+    "ag_frame", "tb_frame", "tb_next",
+    # attribute access by string (bypasses every name above) and strings evaluated as code
+    "attrgetter", "methodcaller", "get_type_hints", "ForwardRef", "_evaluate",
 }
 
 
@@ -67,12 +75,16 @@ def check_source(text: str, filename: str = "<candidate>") -> list[str]:
             module = node.module or ""
             if node.level or not _import_allowed(module):
                 problems.append(f"line {line}: from {'.' * node.level}{module} import not allowed")
-            elif module == "torch":
+            else:
                 for alias in node.names:
-                    if alias.name in FORBIDDEN_ATTRS:
-                        problems.append(f"line {line}: from torch import {alias.name} not allowed")
+                    if alias.name in FORBIDDEN_ATTRS or alias.name in FORBIDDEN_NAMES:
+                        problems.append(f"line {line}: from {module} import {alias.name} not allowed")
         elif isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES:
             problems.append(f"line {line}: use of {node.id}() not allowed")
+        elif isinstance(node, ast.Name) and node.id.startswith("__") and node.id.endswith("__"):
+            # __name__ / __file__ tell the harness's load from the dispatch table's: a candidate
+            # could be honest only where it is checked.
+            problems.append(f"line {line}: dunder name {node.id} not allowed")
         elif isinstance(node, ast.Attribute):
             if node.attr.startswith("__") and node.attr.endswith("__"):
                 problems.append(f"line {line}: dunder attribute .{node.attr} not allowed")

