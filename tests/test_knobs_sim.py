@@ -168,3 +168,14 @@ def test_rollback_lines_say_what_was_restored_in_profile_terms(tmp_path):
     n = len(host.cpu.cstates())
     assert lines == [f"restored cpu max_cstate_latency_us: 2 -> 133 (0 of {n} idle states disabled)",
                      "restored cpu governor: performance -> powersave"]
+
+
+def test_status_text_names_the_sim_file_and_prints_bios_and_journal_lines(tmp_path):
+    sim = make_sim(tmp_path)
+    run_hwtune("--sim", sim, "apply", "-p", "throughput", check=True)
+    lines = run_hwtune("--sim", sim, "status", check=True).stdout.splitlines(keepends=True)
+    assert lines[0] == f"host: simulated ({sim})\n"
+    assert "cpu (8 cpus): governor=performance (offered: performance, powersave) max_cstate_latency_us=2\n" in lines
+    assert "bios (sim): PowerProfile=SysDbpm ProcTurboMode=Enabled LogicalProc=Enabled SriovGlobalEnable=Enabled\n" in lines
+    assert lines[-1] == "journal: committed, 12 original value(s) from throughput\n"
+    assert all(line.endswith("\n") for line in lines)

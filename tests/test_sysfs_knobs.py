@@ -113,3 +113,13 @@ def test_unwritable_config_space_is_skipped_as_no_permission(tmp_path):
     proc = _cli(root, tmp_path / "state", "apply", "-p", prof)
     assert proc.returncode == 0 and "pcie:0000:18:00.0" in proc.stderr and "NoPermission" in proc.stderr
     assert snapshot(root)[str(cfg.relative_to(root))] == original[str(cfg.relative_to(root))]
+
+
+def test_status_text_on_a_host_without_cpufreq_says_so(tmp_path):
+    root = build(tmp_path / "root", cpufreq=False)
+    out = _cli(root, tmp_path / "state", "status", check=True).stdout
+    assert "cpu (4 cpus): governor=n/a (no cpufreq) max_cstate_latency_us=133\n" in out
+    bare = build(tmp_path / "bare", cpufreq=False, cpuidle=False)
+    out = _cli(bare, tmp_path / "state", "status", check=True).stdout
+    assert "cpu: governor=n/a (no cpufreq) max_cstate_latency_us=n/a (no cpuidle)\n" in out
+    assert "None" not in out

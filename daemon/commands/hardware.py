@@ -72,8 +72,37 @@ def add_status_arguments(p) -> None:
     _add_json(p)
 
 
-def _print_status(s: dict) -> None:
-    print(f"host: {s['host']['kind']}{' (read-only)' if s['host']['read_only'] else ''}")
+def _cpu_line(c: dict) -> str:
+    """The CPU line; a host without cpufreq / cpuidle (common on cloud-style kernels) says so."""
+    g = c.get("governor")
+    if g is None:
+        gov = "governor=n/a (no cpufreq)"
+    else:
+        if isinstance(g, dict):  # CPUs disagree: count them per governor
+            g = "mixed (" + ", ".join(f"{name} on {list(g.values()).count(name)}" for name in sorted(set(g.values()))) + ")"
+        gov = f"governor={g} (offered: {', '.join(c.get('available_governors') or []) or '?'})"
+    if c.get("max_cstate_latency_us") is not None:
+        idle = f"max_cstate_latency_us={c['max_cstate_latency_us']}"
+    else:
+        idle = "max_cstate_latency_us=n/a (no cpuidle)"
+    count = f" ({c['cpus']} cpus)" if c.get("cpus") else ""
+    return f"cpu{count}: {gov} {idle}"
+
+
+def _journal_line(j: dict) -> str:
+    if "error" in j:
+        return f"journal: {j['error']}"
+    text = f"journal: {j['status']}, {j['entries']} original value(s)"
+    if j.get("profiles"):
+        text += f" from {', '.join(map(str, j['profiles']))}"
+    if j["status"] != "committed":
+        text += " (an interrupted apply: run `hwtune rollback`)"
+    return text
+
+
+def _print_status(s: dict, sim_path=None) -> None:
+    kind = f"simulated ({sim_path})" if s["host"]["kind"] == "sim" and sim_path else s["host"]["kind"]
+    print(f"host: {kind}{' (read-only)' if s['host']['read_only'] else ''}")
     if s.get("gpu_error"):
         print(f"gpus: none ({s['gpu_error']})")
     for g in s["gpus"]:
@@ -91,13 +120,18 @@ def _print_status(s: dict) -> None:
         extra = f" ! {f['error']}" if f.get("error") else ""
         print(f"{f['target']} {f['vendor']}:{f['device']} class {f['class']} {f.get('link') or ''}: devctl={f['devctl']} "
               f"relaxed_ordering={f['relaxed_ordering']} max_read_request_bytes={f['max_read_request_bytes']}{extra}")
-    c = s["cpu"]
-    print(f"cpu ({c['cpus']} cpus): governor={c['governor']} of {c['available_governors']} "
-          f"max_cstate_latency_us={c['max_cstate_latency_us']}")
-    if s.get("bios"):
-        print(f"bios ({s['bios']['source']}): {s['bios'].get('attributes') or s['bios'].get('error')}")
+    print(_cpu_line(s["cpu"]))
+    for e in s["cpu"].get("errors", []):
+        print(f"  ! {e}")
+    b = s.get("bios")
+    if b:
+        if b.get("error"):
+            print(f"bios ({b['source']}): ! {b['error']}")
+        else:
+            attrs = b.get("attributes") or {}
+            print(f"bios ({b['source']}): " + (" ".join(f"{k}={v}" for k, v in attrs.items()) or "no attributes reported"))
     if s.get("journal"):
-        print(f"journal: {s['journal']}")
+        print(_journal_line(s["journal"]))
 
 
 def run_status(args, ctx) -> int:
@@ -108,7 +142,7 @@ def run_status(args, ctx) -> int:
     if args.json:
         _emit(s)
     else:
-        _print_status(s)
+        _print_status(s, ctx.sim_path)
     return 0
 
 
