@@ -65,8 +65,10 @@ def _pid_alive(pid: int) -> bool:
 
 def _lock_held_by_other(state_dir: Path) -> int | None:
     """Pid of another process holding the writer lock, read without touching the lock: the
-    flock is visible in /proc/locks by inode (probing it with flock would make a concurrent
-    writer fail with 'lock busy')."""
+    flock is visible in /proc/locks by device and inode (probing it with flock would make a
+    concurrent writer fail with 'lock busy'). The pid comes from /proc/locks, not from the
+    lock file: a new holder truncates the file before it writes its pid, and a released lock
+    leaves the last holder's pid behind. -1: held, but by a pid this namespace cannot see."""
     path = state_dir / "lock"
     try:
         st = os.stat(path)
@@ -74,17 +76,22 @@ def _lock_held_by_other(state_dir: Path) -> int | None:
             locks = fh.read().splitlines()
     except OSError:
         return None
-    suffix = f":{st.st_ino}"
-    held = any(len(parts) > 5 and parts[1] == "FLOCK" and parts[5].endswith(suffix)
-               and int(parts[5].split(":")[0], 16) * 256 + int(parts[5].split(":")[1], 16) == st.st_dev
-               for parts in (line.split() for line in locks) if len(parts) > 5)
-    if not held:
-        return None
-    try:
-        pid = int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return -1
-    return None if pid == os.getpid() else pid
+    # /proc/locks: "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (major:minor in hex)
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for parts in (line.split() for line in locks):
+        if len(parts) < 6 or parts[1] != "FLOCK":
+            continue  # "->" lines are waiters, not holders
+        try:
+            major, minor, ino = parts[5].split(":")
+            if (int(major, 16), int(minor, 16), int(ino)) != want:
+                continue
+            pid = int(parts[4])
+        except ValueError:
+            continue
+        if pid == os.getpid():
+            return None
+        return pid if pid > 0 else -1
+    return None
 
 
 def tuning_pid(state_dir: Path) -> int | None:
@@ -272,13 +279,18 @@ class Service:
             if tuner is not None:
                 if (tuner, event) not in self.state.signalled:
                     self.state.signalled.add((tuner, event))
-                    self.log(f"gpu{i} {event} ({why}) while pid {tuner} is tuning: asking it to restore (SIGTERM)")
-                    try:
-                        os.kill(tuner, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-                    if self.metrics:
-                        self.metrics.inc_restore(event)
+                    if tuner <= 0:
+                        # os.kill(-1, ...) would signal every process we may signal.
+                        self.log(f"gpu{i} {event} ({why}) while another process holds the writer lock "
+                                 f"(pid not visible here): cannot ask it to restore")
+                    else:
+                        self.log(f"gpu{i} {event} ({why}) while pid {tuner} is tuning: asking it to restore (SIGTERM)")
+                        try:
+                            os.kill(tuner, signal.SIGTERM)
+                        except ProcessLookupError:
+                            pass
+                        if self.metrics:
+                            self.metrics.inc_restore(event)
             elif self.state.probation > 0 and self.state.suspended is None:
                 self.restore_known_good(event, f"gpu{i} {why}")
             elif fresh:

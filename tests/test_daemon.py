@@ -304,3 +304,31 @@ def test_config_writable_by_others_is_refused(host):
     assert r.returncode == 2
     assert "group- or world-writable" in r.stderr
     assert host.status() == host.original
+
+
+def test_lock_holder_pid_comes_from_the_kernel_not_the_lock_file(tmp_path):
+    # A new holder truncates the lock file before writing its pid, and a released lock leaves
+    # a stale pid behind: the daemon must name (and signal) the real holder, never pid -1.
+    from daemon.service import _lock_held_by_other, tuning_pid
+
+    state = tmp_path / "state"
+    state.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(state / 'lock')!r}, os.O_RDWR | os.O_CREAT, 0o644)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+         "os.ftruncate(fd, 0)\n"  # held, pid not written yet
+         "print('held', flush=True)\n"
+         "time.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert (state / "lock").read_text() == ""
+        assert _lock_held_by_other(state) == holder.pid
+        (state / "lock").write_text("999999999\n")  # a stale pid from an earlier holder
+        assert tuning_pid(state) == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _lock_held_by_other(state) is None
