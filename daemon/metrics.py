@@ -167,11 +167,20 @@ class Metrics:
         self.restore.labels(reason).inc()
 
     def set_last_tune(self, result: Mapping[str, Any]) -> None:
-        """`{timestamp_s, objective, ok}`; objective may be None when the cycle failed."""
-        if result.get("timestamp_s") is not None:
-            self.last_tune_timestamp_seconds.set(float(result["timestamp_s"]))
-        if result.get("objective") is not None:
-            self.last_tune_objective.set(float(result["objective"]))
+        """`{timestamp_s, objective, ok}`; objective may be None when the cycle failed.
+        Raises MetricsError (nothing set) for anything else: the file is on disk, not ours."""
+        if not isinstance(result, Mapping):
+            raise MetricsError(f"last tune: expected a mapping, got {type(result).__name__}")
+        numbers = {}
+        for key in ("timestamp_s", "objective"):
+            value = result.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise MetricsError(f"last tune: {key}: expected a number, got {value!r}")
+            numbers[key] = value
+        if numbers["timestamp_s"] is not None:
+            self.last_tune_timestamp_seconds.set(float(numbers["timestamp_s"]))
+        if numbers["objective"] is not None:
+            self.last_tune_objective.set(float(numbers["objective"]))
         if result.get("ok") is not None:
             self.last_tune_ok.set(1 if result["ok"] else 0)
 

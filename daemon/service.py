@@ -350,7 +350,7 @@ class Service:
         if self.metrics is not None:
             try:
                 self.metrics.set_last_tune(json.loads(path.read_text()))
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, HwtuneError) as exc:
                 self.log(f"{path}: {exc}")
         if not first and self._tuned_profile_path() is not None:
             self._load_profile()  # a tune just kept a point: that is the setting to hold now

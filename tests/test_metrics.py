@@ -130,3 +130,15 @@ def test_clock_event_reason_bits_match_nvml():
     assert CLOCK_EVENT_REASONS["hw_slowdown"] == pynvml.nvmlClocksEventReasonHwSlowdown
     assert CLOCK_EVENT_REASONS["gpu_idle"] == pynvml.nvmlClocksEventReasonGpuIdle
     assert clock_event_reason_names(0x41) == ["gpu_idle", "hw_thermal_slowdown"]
+
+
+def test_last_tune_with_a_non_numeric_value_is_a_metrics_error_and_sets_nothing():
+    from daemon.metrics import Metrics, MetricsError
+
+    m = Metrics()
+    for bad in ({"timestamp_s": 1.0, "objective": "fast"}, {"timestamp_s": "yesterday"}, ["not", "a", "dict"]):
+        with pytest.raises(MetricsError):
+            m.set_last_tune(bad)
+    text = m.render().decode()
+    assert "hwtune_last_tune_timestamp_seconds 0.0" in text
+    assert "hwtune_last_tune_objective 0.0" in text
