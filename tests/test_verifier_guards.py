@@ -183,6 +183,26 @@ def test_guard11_monkeypatched_timer_is_rejected():
     assert "elapsed_time" in v.reason
 
 
+def test_guard11_work_left_running_in_a_thread_after_launch_returns_is_rejected():
+    v = check("hack_background_thread")
+    rejected(v, "global_state")
+    assert "live Python threads" in v.reason
+
+
+def test_guard11_state_snapshot_sees_the_timers_own_clock_replaced():
+    from kernelsearch.harness import timing
+
+    before = sandbox.snapshot_state()
+    saved = timing._perf_counter
+    timing._perf_counter = lambda: 0.0
+    try:
+        changes = " | ".join(sandbox.diff_state(before, sandbox.snapshot_state()))
+    finally:
+        timing._perf_counter = saved
+    assert "kernelsearch.harness.timing._perf_counter was replaced" in changes
+    assert sandbox.diff_state(before, sandbox.snapshot_state()) == []
+
+
 def test_guard11_flag_flip_at_import_is_refused_statically():
     rejected(check("hack_tf32_flag"), "static")
 

@@ -8,13 +8,15 @@
   outside kernel launches. Allocation, views and zero-filling are allowed; anything that computes
   (copy_, add, mul, mm, softmax, ...) is recorded as a violation.
 - snapshot_state / diff_state: global switches, RNG states, environment and the identity of the
-  functions the harness relies on (a candidate patching time.perf_counter or
-  torch.cuda.Event.elapsed_time to look fast is caught here).
+  functions the harness relies on (a candidate patching time.perf_counter,
+  torch.cuda.Event.elapsed_time or the timer's own references to look fast is caught here), and
+  the number of live Python threads (work left running after launch() returns).
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import threading
 
 import torch
@@ -137,7 +139,14 @@ def _watched_functions() -> dict:
         "torch.cuda.graph": lambda: torch.cuda.graph,
         "triton.jit": lambda: triton.jit,
     }
-    return {name: get for name, get in watched.items()}
+    # The references the timer took at import (its clocks) and the timer itself: reachable
+    # from a launch() through the caller's frames, and patched there, they would fake a speed.
+    from kernelsearch.harness import timing
+
+    for ref in ("_perf_counter", "_Event", "_elapsed", "_record", "_synchronize", "_CUDAGraph",
+                "_graph", "time_calls", "time_cpu", "time_cuda"):
+        watched[f"kernelsearch.harness.timing.{ref}"] = lambda ref=ref: timing.__dict__.get(ref)
+    return watched
 
 
 def snapshot_state() -> dict:
@@ -161,6 +170,9 @@ def snapshot_state() -> dict:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["torch.cuda RNG state"] = _rng_digest(torch.cuda.get_rng_state_all)
+    # A thread the candidate leaves running after launch() returns (or after import) can write
+    # the outputs later, racing the harness, and makes the call look free to a timer.
+    state["live Python threads"] = str(len(sys._current_frames()))
     env = hashlib.blake2b(repr(sorted(os.environ.items())).encode(), digest_size=12).hexdigest()
     state["os.environ"] = env
     state["_env_items"] = dict(os.environ)
