@@ -123,3 +123,36 @@ def test_status_text_on_a_host_without_cpufreq_says_so(tmp_path):
     out = _cli(bare, tmp_path / "state", "status", check=True).stdout
     assert "cpu: governor=n/a (no cpufreq) max_cstate_latency_us=n/a (no cpuidle)\n" in out
     assert "None" not in out
+
+
+@pytest.mark.parametrize("denied_cpu,outcome", [(0, "skipped"), (2, "restored")])
+def test_governor_write_denied_part_way_never_leaves_cpus_half_written(tmp_path, monkeypatch, denied_cpu, outcome):
+    # Root writes a 0444 file, so the denial is injected: sysfs refuses some CPUs' files.
+    from pathlib import Path
+
+    from hwtune import engine
+    from hwtune.host import open_host
+    from hwtune.profiles import Profile
+
+    root = build(tmp_path / "root")
+    original = snapshot(root)
+    denied = root / f"sys/devices/system/cpu/cpu{denied_cpu}/cpufreq/scaling_governor"
+    real_write = Path.write_text
+
+    def write_text(self, text, *a, **kw):
+        if self == denied:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_write(self, text, *a, **kw)
+    monkeypatch.setattr(Path, "write_text", write_text)
+    host = open_host(sysfs_root=root)
+    profile = Profile.from_dict({"cpu": {"governor": "performance"}})
+    state = tmp_path / "state"
+    if outcome == "skipped":  # nothing written yet: NoPermission skips the knob
+        result = engine.apply(host, profile, state, log=lambda line: None)
+        assert result.changed == [] and any("NoPermission" in line for line in result.skipped)
+    else:  # cpu0 and cpu1 were written: a failure, and they are put back
+        with pytest.raises(engine.ApplyFailed, match="permission denied after other CPUs"):
+            engine.apply(host, profile, state, log=lambda line: None)
+    now = snapshot(root)
+    assert {k: now[k].strip() for k in now} == {k: original[k].strip() for k in original}
+    assert not (state / "journal.json").exists()

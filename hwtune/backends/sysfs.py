@@ -159,18 +159,29 @@ class SysfsCpu:
         common = set(sets[0]).intersection(*sets[1:])
         return [g for g in sets[0] if g in common]
 
-    def _write(self, path: Path, text: str, target: str, op: str) -> None:
-        try:
-            path.write_text(text)
-        except PermissionError:
-            raise KnobUnavailable(target, op, f"NoPermission ({path})") from None
-        except OSError as exc:
-            raise HwtuneError(f"{target} {op}: writing {path} failed: {exc.strerror}") from exc
+    def _write_all(self, files: list, target: str, op: str) -> None:
+        """Write (path, text) pairs, skipping files that already hold the text. NoPermission
+        before any write means the knob is unavailable (skipped, nothing changed); after one,
+        the CPUs are half-written, which is a failure: the engine then restores them."""
+        wrote = False
+        for path, text in files:
+            try:
+                if path.read_text().strip() == text:
+                    continue
+                path.write_text(text)
+                wrote = True
+            except PermissionError:
+                if wrote:
+                    raise HwtuneError(f"{target} {op}: writing {path}: permission denied after "
+                                      "other CPUs were written") from None
+                raise KnobUnavailable(target, op, f"NoPermission ({path})") from None
+            except OSError as exc:
+                raise HwtuneError(f"{target} {op}: writing {path} failed: {exc.strerror}") from exc
 
     def set_governors(self, mapping: dict) -> None:
         self.guard_write("cpu set_governor")
-        for cpu, gov in mapping.items():
-            self._write(self.base / cpu / "cpufreq/scaling_governor", gov, "cpu", "governor")
+        self._write_all([(self.base / cpu / "cpufreq/scaling_governor", gov) for cpu, gov in mapping.items()],
+                        "cpu", "governor")
 
     def cstates(self) -> list:
         out = []
@@ -190,7 +201,8 @@ class SysfsCpu:
 
     def set_cstates_disabled(self, mapping: dict) -> None:
         self.guard_write("cpu set_cstate_disable")
+        files = []
         for key, disabled in mapping.items():
             cpu, state = key.split("/")
-            self._write(self.base / cpu / "cpuidle" / state / "disable", "1" if disabled else "0",
-                        "cpu", "max_cstate_latency_us")
+            files.append((self.base / cpu / "cpuidle" / state / "disable", "1" if disabled else "0"))
+        self._write_all(files, "cpu", "max_cstate_latency_us")
