@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pwd
 import shlex
 import shutil
 import signal
@@ -131,10 +132,39 @@ def _demote(user: str | None):
     return None
 
 
+def _identity(user: str) -> dict:
+    """Popen keywords that run as `user` with its own group and no supplementary groups:
+    `user=` alone keeps root's group 0 and root's supplementary groups."""
+    entry = pwd.getpwnam(user)
+    if entry.pw_uid == 0:
+        raise KeyError(f"agent user {user!r} is root")
+    return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
+
+
+def _wait_leader(pid: int, timeout_s: float) -> bool:
+    """Wait for the agent to exit WITHOUT reaping it (True) or until the timeout (False).
+    While the leader is an unreaped zombie its pid cannot be reused, so killing its process
+    group afterwards reaches only the agent's own leftovers."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.1)
+
+
 def run_agent(config: AgentConfig, work_dir: Path) -> AgentOutcome:
     """Run the agent command once in `work_dir`; never raises for the agent's own failures."""
     user = _demote(config.user)
+    identity = {}
     if user:
+        try:
+            identity = _identity(user)
+        except KeyError as exc:
+            return AgentOutcome("failed", f"agent user {user!r}: {exc.args[0] if exc.args else 'unknown'}")
         shutil.chown(work_dir, user=user)
         for path in work_dir.rglob("*"):
             shutil.chown(path, user=user)
@@ -147,24 +177,22 @@ def run_agent(config: AgentConfig, work_dir: Path) -> AgentOutcome:
     try:
         proc = subprocess.Popen(argv, cwd=work_dir, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                **({"user": user} if user else {}))
+                                **identity)
     except OSError as exc:
         log.close()
         return AgentOutcome("failed", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+    exited = _wait_leader(proc.pid, config.timeout_s)
+    # Helpers the agent started (on timeout, or left running after it exited) go with it:
+    # one still writing candidate.py while the harness reads it, or living on, is not allowed.
     try:
-        rc = proc.wait(timeout=config.timeout_s)
-    except subprocess.TimeoutExpired:
-        # the agent may have spawned helpers: kill its whole session
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        log.close()
-        return AgentOutcome("timeout", f"agent killed after {config.timeout_s:g} s",
-                            elapsed_s=time.time() - started)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    rc = proc.wait()
     log.close()
     elapsed = time.time() - started
+    if not exited:
+        return AgentOutcome("timeout", f"agent killed after {config.timeout_s:g} s", elapsed_s=elapsed)
     candidate = work_dir / CANDIDATE_NAME
     if rc != 0:
         return AgentOutcome("failed", f"agent exited {rc}: {_tail(work_dir / 'agent.log')}",

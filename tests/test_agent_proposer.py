@@ -74,6 +74,46 @@ def test_agent_that_hangs_is_killed_with_its_children_and_reported_as_timeout(tm
         raise AssertionError(f"agent's helper {helper} survived the timeout")
 
 
+def _assert_gone(pid):
+    for _ in range(50):   # SIGKILL is asynchronous; the helper is reaped by init
+        stat = Path(f"/proc/{pid}/stat")
+        if not stat.exists() or stat.read_text().split()[2] == "Z":
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"agent's helper {pid} survived")
+
+
+def test_helpers_an_agent_leaves_behind_after_exiting_are_killed(tmp_path):
+    outcome = run_agent(_agent("leave_helper.py"), tmp_path)
+    assert outcome.status == "ok"
+    _assert_gone(int((tmp_path / "helper.pid").read_text()))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
+def test_agent_run_as_a_user_gets_that_users_group_and_no_root_groups():
+    import pwd
+    import shutil
+    import tempfile
+
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system python the agent user can run")
+    nobody = pwd.getpwnam("nobody")
+    work = Path(tempfile.mkdtemp(prefix="hwtune-agent-test-", dir="/tmp"))
+    try:
+        os.chmod(work, 0o755)
+        config = AgentConfig(argv=[python, "-c", "import os; open('candidate.py', 'w').write("
+                                   "repr([os.getuid(), os.getgid(), sorted(os.getgroups())]))"],
+                             timeout_s=60, user="nobody")
+        outcome = run_agent(config, work)
+        assert outcome.status == "ok", outcome.reason
+        uid, gid, groups = eval((work / "candidate.py").read_text())
+        assert (uid, gid) == (nobody.pw_uid, nobody.pw_gid)
+        assert 0 not in groups and set(groups) <= {nobody.pw_gid}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def test_agent_that_writes_nothing_or_cannot_start_is_a_verdict(tmp_path):
     assert run_agent(_agent("silent.py"), tmp_path).status == "missing"
     broken = run_agent(AgentConfig(argv=[str(tmp_path / "no-such-agent")]), tmp_path)
