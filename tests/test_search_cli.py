@@ -1,6 +1,9 @@
 """`hwtune search` end to end on the CPU: real harness children under the Triton interpreter."""
 import json
+import os
 import sqlite3
+
+import pytest
 
 from conftest import run_hwtune
 
@@ -37,3 +40,27 @@ def test_unknown_kernel_and_agent_without_command_are_usage_errors(tmp_path):
     proc = run_hwtune("--state-dir", tmp_path, "search", "rmsnorm", "--device", "cpu",
                       "--strategy", "agent")
     assert proc.returncode == 2 and "--agent-command" in proc.stderr
+
+
+def test_unknown_dtype_is_a_usage_error_not_a_traceback(tmp_path):
+    for extra in (("--dtype", "bf16"), ("--shape", "M=3,N=130,dtype=half")):
+        proc = run_hwtune("--state-dir", tmp_path, "search", "rmsnorm", "--device", "cpu",
+                          "--budget", "1", *extra)
+        assert proc.returncode == 2 and "expected one of float32" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the config must be owned by root (and only root drops to a user)")
+def test_agent_user_defaults_to_the_configs_unprivileged_user(tmp_path):
+    from types import SimpleNamespace
+
+    from daemon.commands.search import agent_user
+
+    config = tmp_path / "hwtune.yaml"
+    config.write_text("agent_user: hwtune-agent\n")
+    config.chmod(0o644)
+    ctx = SimpleNamespace(config_path=config)
+    assert agent_user(SimpleNamespace(agent_user=None), ctx) == "hwtune-agent"
+    assert agent_user(SimpleNamespace(agent_user="alice"), ctx) == "alice"
+    config.write_text("profile: throughput\n")
+    assert agent_user(SimpleNamespace(agent_user=None), ctx) == "nobody"

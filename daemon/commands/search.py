@@ -44,7 +44,8 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent-command", default=None,
                    help="agent proposer command (split like a shell, run without one); {workdir} is substituted")
     p.add_argument("--agent-timeout-s", type=float, default=900.0)
-    p.add_argument("--agent-user", default=None, help="run the agent as this user when hwtune runs as root")
+    p.add_argument("--agent-user", default=None, help="run the agent as this user when hwtune runs as root "
+                        "(default: the config's agent_user, nobody)")
     p.add_argument("--model-family", choices=("llama", "deepseek", "all"), default="llama",
                    help="which context/models notes the agent gets")
     p.add_argument("--ledger", type=Path, default=None, help="SQLite ledger (default STATE_DIR/ledger.sqlite)")
@@ -90,12 +91,27 @@ def _table(result) -> str:
     return "\n".join(lines)
 
 
+def agent_user(args, ctx) -> str:
+    """Who the agent runs as when hwtune is root: --agent-user, else the config's `agent_user`
+    (default "nobody"). Never unset: the agent runs generated code and an arbitrary command."""
+    if args.agent_user:
+        return args.agent_user
+    from daemon.config import load_config
+
+    return load_config(ctx.config_path).agent_user
+
+
 def run_search(args, ctx) -> int:
     from kernelsearch.search import parse_budget, search
-    from kernelsearch.specs import SPECS
+    from kernelsearch.specs import DTYPES, SPECS
 
     if args.kernel not in SPECS:
         raise UsageError(f"unknown kernel {args.kernel!r}: expected one of {', '.join(SPECS)}")
+    # the harness turns a dtype name into a torch dtype deep inside an evaluation: a bad name
+    # would end the search with a traceback instead of a usage error
+    for where, name in [("--dtype", args.dtype)] + [(f"--shape dtype", s.get("dtype")) for s in args.shape or []]:
+        if name is not None and name not in DTYPES:
+            raise UsageError(f"{where} {name!r}: expected one of {', '.join(DTYPES)}")
     try:
         budget = parse_budget(args.budget)
     except ValueError:
@@ -112,7 +128,7 @@ def run_search(args, ctx) -> int:
         from kernelsearch.agent import AgentConfig
 
         agent = AgentConfig.from_command(args.agent_command, timeout_s=args.agent_timeout_s,
-                                         user=args.agent_user, model_family=args.model_family)
+                                         user=agent_user(args, ctx), model_family=args.model_family)
     from kernelsearch.pool import ExecutorError, open_executor
 
     try:
