@@ -42,20 +42,32 @@ class Point:
 
     power_limit_w: int
     sm_clock_max_mhz: int | None = None  # None: SM clocks not locked
+    # The lock's lower end when it is not the space's (a baseline read from the host, e.g. a
+    # profile's [1410, 1785]); None: the space's lowest supported clock.
+    sm_clock_min_mhz: int | None = None
 
     def label(self) -> str:
-        clocks = f"SM <= {self.sm_clock_max_mhz} MHz" if self.sm_clock_max_mhz else "SM unlocked"
+        if not self.sm_clock_max_mhz:
+            clocks = "SM unlocked"
+        elif self.sm_clock_min_mhz is not None:
+            clocks = f"SM {self.sm_clock_min_mhz}-{self.sm_clock_max_mhz} MHz"
+        else:
+            clocks = f"SM <= {self.sm_clock_max_mhz} MHz"
         return f"{self.power_limit_w} W, {clocks}"
 
     def to_json(self) -> dict:
-        return {"power_limit_w": self.power_limit_w, "sm_clock_max_mhz": self.sm_clock_max_mhz}
+        out = {"power_limit_w": self.power_limit_w, "sm_clock_max_mhz": self.sm_clock_max_mhz}
+        if self.sm_clock_min_mhz is not None:
+            out["sm_clock_min_mhz"] = self.sm_clock_min_mhz
+        return out
 
     def gpu_section(self, select, sm_clock_min_mhz: int) -> dict:
         """The `gpu:` section of a profile that sets this point."""
+        lo = self.sm_clock_min_mhz if self.sm_clock_min_mhz is not None else sm_clock_min_mhz
         return {
             "select": select,
             "power_limit_w": self.power_limit_w,
-            "sm_clock_mhz": [sm_clock_min_mhz, self.sm_clock_max_mhz] if self.sm_clock_max_mhz else "reset",
+            "sm_clock_mhz": [lo, self.sm_clock_max_mhz] if self.sm_clock_max_mhz else "reset",
         }
 
 
@@ -338,16 +350,25 @@ class HostApplier:
         return Profile.from_dict(data, source=f"<hwloop {point.label()}>")
 
     def baseline(self) -> Point:
-        """What the first selected GPU is set to now. A lock NVML cannot read back ("unknown")
-        counts as unlocked: the knob restores locked clocks by reset anyway."""
+        """What the first selected GPU is set to now, the whole locked range included (restoring
+        [space min, max] instead of a profile's [1410, 1785] would leave drift behind). A lock
+        NVML cannot read back ("unknown") counts as unlocked: the knob restores locked clocks by
+        reset anyway."""
         i = self.gpus[0]
         w = int(round(self.host.gpus.get_power_limit_w(i)))
         lock = self.host.gpus.get_locked_sm_clocks_mhz(i)
-        hi = int(lock[1]) if isinstance(lock, (tuple, list)) else None
-        return Point(w, hi)
+        if not isinstance(lock, (tuple, list)):
+            return Point(w, None)
+        lo, hi = int(lock[0]), int(lock[1])
+        return Point(w, hi, None if lo == self.sm_clock_min_mhz else lo)
 
     def __call__(self, point: Point) -> None:
+        """Apply `point` to every selected GPU or raise: a knob the engine skipped
+        (NoPermission, NotSupported) leaves that GPU where it was, and measuring it would
+        score settings other than the point's."""
         from hwtune import engine
 
-        engine.apply(self.host, self.profile(point), self.state_dir, self.log)
+        result = engine.apply(self.host, self.profile(point), self.state_dir, self.log)
         self.applied += 1
+        if result.skipped:
+            raise HwtuneError(f"{point.label()}: not applied as asked ({'; '.join(result.skipped)})")

@@ -101,3 +101,49 @@ def test_bad_inputs_are_usage_errors():
         Objective("energy", floor=1.5)
     with pytest.raises(UsageError):
         hwloop.search(space(), simulated(), lambda p: None, strategy="magic")
+
+
+def test_host_applier_refuses_a_point_the_engine_only_partly_applied(tmp_path):
+    # A GPU whose clock lock is NotSupported is skipped by the engine and left as it was:
+    # the point must fail, not be measured as if it were set.
+    import json
+
+    from hwtune.host import open_host
+    from tests.conftest import run_hwtune
+
+    sim = tmp_path / "host.json"
+    run_hwtune("sim", "init", sim, "--gpus", "1", check=True)
+    data = json.loads(sim.read_text())
+    data["faults"] = [{"op": "set_locked_sm_clocks", "error": "NotSupported"}]
+    sim.write_text(json.dumps(data))
+    host = open_host(sim_path=sim)
+    state = tmp_path / "state"
+    sp = Space.from_host(host, [0])
+    applier = hwloop.HostApplier(host, state, [0], sp.sm_clock_min_mhz)
+    with pytest.raises(HwtuneError, match="not applied as asked"):
+        applier(Point(600, sp.sm_clocks_mhz[0]))
+    assert host.gpus.get_locked_sm_clocks_mhz(0) is None
+    applier(Point(600, None))  # what the GPU can take still applies
+    assert host.gpus.get_power_limit_w(0) == 600
+
+
+def test_baseline_keeps_the_whole_locked_range_so_restoring_it_leaves_no_drift(tmp_path):
+    from hwtune import engine
+    from hwtune.host import open_host
+    from hwtune.profiles import Profile
+    from tests.conftest import run_hwtune
+
+    sim = tmp_path / "host.json"
+    run_hwtune("sim", "init", sim, "--gpus", "1", check=True)
+    host, state = open_host(sim_path=sim), tmp_path / "state"
+    profile = Profile.from_dict({"gpu": {"select": "all", "power_limit_w": 560, "sm_clock_mhz": [1410, 1785]}},
+                                source="<test>")
+    engine.apply(host, profile, state, lambda s: None)
+    sp = Space.from_host(host, [0])
+    applier = hwloop.HostApplier(host, state, [0], sp.sm_clock_min_mhz)
+    baseline = applier.baseline()
+    assert baseline == Point(560, 1785, 1410)
+    applier(Point(700, sp.sm_clocks_mhz[0]))
+    applier(baseline)
+    assert engine.verify(host, profile, state) == []
+    assert Point(**baseline.to_json()) == baseline
