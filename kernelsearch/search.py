@@ -293,6 +293,7 @@ class Loop:
             rep = ShapeReport(shape=shape, dtype=self.dtypes.get(sk, self._dtype_of(shape)))
             best_ident, best_out = None, None
             stock = []
+            flops = bytes_ = 0   # the shape's work: the same in every outcome that reports it
             for ident, outcomes in self.memo.items():
                 out = outcomes.get(sk)
                 if out is None:
@@ -302,21 +303,26 @@ class Loop:
                 rep.verdicts[label] = rep.verdicts.get(label, 0) + 1
                 if math.isfinite(out.stock_ms):
                     stock.append(out.stock_ms)
+                if out.flops or out.bytes:
+                    flops, bytes_ = out.flops, out.bytes
                 if out.accepted and (best_out is None or out.candidate_ms < best_out.candidate_ms):
                     best_ident, best_out = ident, out
             rep.stock_ms = sorted(stock)[len(stock) // 2] if stock else math.inf
-            flops = bytes_ = 0
             if best_out is not None:
                 cand = self.candidates[best_ident]
-                band = best_out.noise_band if best_out.noise_band is not None else DEFAULT_NOISE_BAND
+                # an unmeasurable band (inf; NULL once in the ledger) counts as the default one,
+                # so that a resumed run decides as the run that measured it did
+                band = best_out.noise_band
+                if band is None or not math.isfinite(band):
+                    band = DEFAULT_NOISE_BAND
                 # paired comparison: the winner's own stock timing, taken in the same child
                 rep.kept = keep(best_out.candidate_ms, best_out.stock_ms, band)
                 rep.speedup = (best_out.stock_ms / best_out.candidate_ms
                                if math.isfinite(best_out.stock_ms) else None)
                 rep.best = {"params": cand.params, "source": cand.source_ref,
                             "source_hash": cand.source_hash, "candidate_ms": best_out.candidate_ms,
-                            "stock_ms": _json_float(best_out.stock_ms), "noise_band": best_out.noise_band}
-                flops, bytes_ = best_out.flops, best_out.bytes
+                            "stock_ms": _json_float(best_out.stock_ms),
+                            "noise_band": _json_float(best_out.noise_band)}
             if ceilings and (flops or bytes_):
                 time_ms = rep.best["candidate_ms"] if rep.kept else rep.stock_ms
                 rep.bound, rep.pct_of_ceiling = classify(flops, bytes_, time_ms, ceilings)

@@ -19,8 +19,9 @@ class ScriptedExecutor:
     """Answers like the harness would: per shape a time, stock at 1.0 ms, noise band 5%."""
     width = 2
 
-    def __init__(self):
+    def __init__(self, noise_band=0.05, stock_ms=1.0):
         self.jobs = []
+        self.noise_band, self.stock_ms = noise_band, stock_ms
 
     def _time(self, params, shape):
         if shape == BROKEN:
@@ -37,7 +38,7 @@ class ScriptedExecutor:
                 t = self._time(job["params"], shape)
                 accepted &= t is not None
                 results.append(ShapeResult(shape=shape, dtype="bfloat16", status="ok" if t else "rejected",
-                                           candidate_ms=t or float("inf"), stock_ms=1.0, noise_band=0.05,
+                                           candidate_ms=t or float("inf"), stock_ms=self.stock_ms, noise_band=self.noise_band,
                                            flops=4 * shape["M"] * shape["N"], bytes=4 * shape["M"] * shape["N"]))
             if accepted:
                 verdicts.append(Verdict(True, shapes=results, params=job["params"]))
@@ -66,6 +67,22 @@ def test_a_rejected_candidate_wins_nowhere_even_on_shapes_it_passed(tmp_path):
     result = _run(tmp_path, ScriptedExecutor())
     assert [r.kept for r in result.shapes] == [False, False, False]
     assert result.shapes[0].verdicts == {"correctness": 6}
+    # the roofline still says where stock sits, from the shape's work and stock's time
+    assert [r.bound for r in result.shapes] == ["memory", "overhead", "overhead"]
+    assert result.shapes[0].pct_of_ceiling > 0
+
+
+def test_unmeasurable_noise_band_counts_as_the_default_band_fresh_and_resumed(tmp_path):
+    # CLOSE's best is ~1.5% faster than stock: within the default 2% band, so never kept,
+    # whether the band comes back as inf (two unusable stock timings) or as NULL from the ledger
+    kw = dict(strategy="grid", budget=6, device="cpu", dtype="bfloat16", shapes=[CLOSE],
+              ceilings=CEILINGS)
+    fresh = search("rmsnorm", state_dir=tmp_path, executor=ScriptedExecutor(float("inf"), stock_ms=1.02),
+                   **kw)
+    resumed = search("rmsnorm", state_dir=tmp_path, executor=ScriptedExecutor(), resume=True, **kw)
+    assert resumed.evaluations == 0 and 1.0 < fresh.shapes[0].best["candidate_ms"] < 1.02
+    assert [r.kept for r in fresh.shapes] == [r.kept for r in resumed.shapes] == [False]
+    assert json.loads(open(fresh.table_path).read())["entries"] == []
 
 
 def test_winner_kept_only_when_faster_than_stock_by_more_than_the_noise_band(tmp_path):
