@@ -295,3 +295,19 @@ def test_tuned_step_with_fused_kernels_matches_stock_on_the_interpreter():
     torch.testing.assert_close(model.kv, kv_ref, rtol=1e-5, atol=1e-5)
     assert kernels_per_layer(ops, 2)["total"] == 10  # 4 GEMVs + 2 norms + rope/kv + 2 attn + swiglu
     assert kernels_per_layer(StockOps(), 2)["total"] > 10
+
+
+def test_report_never_divides_one_workload_by_another_and_notes_a_dtype_change():
+    from daemon.bench import report
+    from daemon.bench.run import FAIR_NOTE
+
+    run = {"label": "workload", "dtype": "bf16", "workload": {"command": "serve-bench --model a", "metric": 200.0}}
+    base = {"label": "vm", "dtype": "fp16", "workload": {"command": "serve-bench --model b", "metric": 100.0}}
+    md = report.markdown(run, base, png_name=None)
+    assert " 2.00 |" not in md  # no ratio between different commands
+    assert "serve-bench --model a" in md and "serve-bench --model b" in md
+    assert "dtypes differ (bf16 vs fp16)" in md
+    same = dict(base, dtype="bf16", workload={"command": "serve-bench --model a", "metric": 100.0})
+    assert " 2.00 |" in report.markdown(run, same, png_name=None)
+    # The tuned variant runs a fused RoPE+KV-write kernel: the note must not say otherwise.
+    assert "RoPE-as-one-bmm" not in FAIR_NOTE and "fused Triton RoPE+KV-write" in FAIR_NOTE

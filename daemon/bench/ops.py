@@ -433,16 +433,21 @@ class TunedOps(StockOps):
         return StockOps.decode_attention(self, q, k_cache, v_cache, seq_lens, scale, mask)
 
 
-def time_in_graph_ms(fn, reps: int = 20) -> float:
-    """Per-call time inside a CUDA graph of `reps` calls, as the decode step will run it
-    (eager timing would charge Triton's larger Python launch cost to the kernel)."""
+def warm_up_for_capture(fn, calls: int = 3) -> None:
+    """Run `fn` on a side stream and wait for it, as torch requires before a graph capture."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
+        for _ in range(calls):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+
+
+def time_in_graph_ms(fn, reps: int = 20) -> float:
+    """Per-call time inside a CUDA graph of `reps` calls, as the decode step will run it
+    (eager timing would charge Triton's larger Python launch cost to the kernel)."""
+    warm_up_for_capture(fn)
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -15,8 +15,9 @@ def _rows(doc: dict) -> dict:
             out[("prefill", r["variant"], r["batch"], r["tokens"])] = r
     w = doc.get("workload")
     if w and w.get("metric") is not None:
-        out[("workload", "command", 0, 0)] = {"tokens_per_s": w["metric"],
-                                              "tokens_per_j": None}
+        # Keyed by the command: two different workloads' metrics are not one row to divide.
+        out[("workload", str(w.get("command") or "command"), 0, 0)] = {"tokens_per_s": w["metric"],
+                                                                        "tokens_per_j": None}
     return out
 
 
@@ -71,6 +72,9 @@ def notes(doc: dict, base: dict | None) -> list[str]:
         out.append(f"The GPUs differ ({ga} vs {gb}): ratios reflect the hardware as much as the tuning.")
     if (doc.get("model") or {}).get("name") != (base.get("model") or {}).get("name"):
         out.append("The models differ: ratios compare different workloads.")
+    if doc.get("dtype") != base.get("dtype"):
+        out.append(f"The dtypes differ ({doc.get('dtype')} vs {base.get('dtype')}): ratios compare "
+                   "different workloads.")
     return out
 
 

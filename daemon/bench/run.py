@@ -25,12 +25,16 @@ from dataclasses import dataclass, field
 import torch
 
 from daemon.bench.model import PRESETS, Model
-from daemon.bench.ops import StockOps, TunedOps, time_in_graph_ms, default_table_path, load_table, rel_l2
+from daemon.bench.ops import (StockOps, TunedOps, default_table_path, load_table, rel_l2, time_in_graph_ms,
+                              warm_up_for_capture)
 
 VARIANTS = ("eager", "graphed", "compile", "tuned")
 FAIR_NOTE = ("All variants run the same model with the same fused weights (one QKV matrix, "
-             "one gate/up matrix), the same static KV cache and the same RoPE-as-one-bmm step; "
-             "they differ only in how the step is launched and which kernels run.")
+             "one gate/up matrix) and the same static KV cache; eager, graphed and compile apply "
+             "RoPE as one batched matmul before the KV-cache write, while the tuned variant may run "
+             "a fused Triton RoPE+KV-write kernel instead (checked against stock at the real shapes, "
+             "stock on any failure); they differ only in how the step is launched and which "
+             "kernels run.")
 
 
 def log(msg: str) -> None:
@@ -176,13 +180,7 @@ def decode_floor(cfg, batch: int, ctx: int, dtype_bytes: int, copy_gbs: float | 
 
 def capture_graph(fn):
     """Warm up on a side stream (as torch requires), then capture one call."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+    warm_up_for_capture(fn)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
