@@ -311,3 +311,16 @@ def test_report_never_divides_one_workload_by_another_and_notes_a_dtype_change()
     assert " 2.00 |" in report.markdown(run, same, png_name=None)
     # The tuned variant runs a fused RoPE+KV-write kernel: the note must not say otherwise.
     assert "RoPE-as-one-bmm" not in FAIR_NOTE and "fused Triton RoPE+KV-write" in FAIR_NOTE
+
+
+def test_virtualization_is_unknown_when_nothing_could_be_read(tmp_path):
+    # No /proc/cpuinfo flags line (e.g. an ARM host), no DMI, no systemd-detect-virt: the
+    # fingerprint must not claim bare metal.
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "cpuinfo").write_text("processor\t: 0\nFeatures\t: fp asimd\n")
+    v = detect_virtualization(tmp_path, tmp_path, detect_virt_cmd=None)
+    assert v["virtualized"] is None
+    from daemon.bench.report import notes
+    doc = {"fingerprint": {"virtualization": v}}
+    base = {"fingerprint": {"virtualization": {"virtualized": True}}}
+    assert not any("Bare metal" in n for n in notes(doc, base))

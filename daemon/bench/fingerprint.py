@@ -77,8 +77,13 @@ def detect_virtualization(proc_root="/", sys_root="/", detect_virt_cmd: str | No
     if sdv and sdv not in ("none",) and not sdv.startswith("error"):
         evidence.append(f"systemd-detect-virt says {sdv}")
 
-    virtualized = bool(flag) or hint is not None or (
-        bool(sdv) and sdv != "none" and not sdv.startswith("error"))
+    sdv_answered = bool(sdv) and not sdv.startswith("error")
+    virtualized = bool(flag) or hint is not None or (sdv_answered and sdv != "none")
+    if not virtualized and flag is None and not any(dmi.values()) and not sdv_answered:
+        # Nothing was read (no cpu flags line, no DMI, no systemd-detect-virt): unknown, not
+        # a claim of bare metal.
+        virtualized = None
+        evidence.append("nothing readable: unknown")
     return {"virtualized": virtualized, "hypervisor_flag": flag, "dmi": dmi, "dmi_hint": hint,
             "systemd_detect_virt": sdv, "evidence": evidence}
 
