@@ -91,7 +91,8 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "unwritten outputs, input mutation, determinism and global state, then timed "
              "against stock. Start from `baseline.py`; see context/ for the hardware.", "",
              "## Contract", doc.strip(), "",
-             f"## Shapes ({dtype or 'primary dtype'}; a shape's own dtype wins)"]
+             # the harness's rule: an explicit dtype wins over a shape's own
+             f"## Shapes ({'all in ' + dtype if dtype else 'primary dtype unless a shape names its own'})"]
     lines += [f"- {json.dumps(s, sort_keys=True)}" for s in shapes]
     tol = {d: spec.tolerance(d) for d in spec.dtypes.get("cuda" if device.startswith("cuda") else "cpu", ())}
     lines += ["", "## Tolerance (relative L2 error per row)", json.dumps(tol), ""]

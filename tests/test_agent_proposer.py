@@ -55,6 +55,19 @@ def test_context_pack_holds_task_contract_notes_roofline_and_ledger(tmp_path):
     assert json.loads((tmp_path / "roofline.json").read_text())["copy_gb_s"] == 4300.0
 
 
+def test_task_says_which_dtype_each_shape_is_measured_in(tmp_path):
+    from kernelsearch.kernels import template_path
+
+    common = dict(kernel="rmsnorm", spec=get_spec("rmsnorm"), device="cpu", fingerprint=H200,
+                  ceilings={}, ledger_summary={}, recent_attempts=[], best=[],
+                  baseline_path=template_path("rmsnorm"))
+    write_context_pack(tmp_path / "a", shapes=[{"M": 3, "N": 130, "dtype": "bfloat16"}],
+                       dtype="float32", **common)
+    assert "## Shapes (all in float32)" in (tmp_path / "a" / "TASK.md").read_text()
+    write_context_pack(tmp_path / "b", shapes=SHAPE, dtype=None, **common)
+    assert "unless a shape names its own" in (tmp_path / "b" / "TASK.md").read_text()
+
+
 def test_agent_that_writes_a_file_hands_back_its_candidate(tmp_path):
     _pack(tmp_path)
     outcome = run_agent(_agent("copy_baseline.py"), tmp_path)
