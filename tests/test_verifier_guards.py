@@ -142,6 +142,14 @@ def test_guard8_candidate_that_stops_working_after_three_calls_fails_in_the_time
     assert "timed runs" in v.reason
 
 
+def test_guard8_candidate_that_replays_a_result_cached_for_the_same_inputs_fails_in_the_timed_runs():
+    """Each check trial has new tensors, so caching by input object is right there; the timed
+    calls reuse the buffers, and get fresh values in them, so the cached copy is stale."""
+    v = check("hack_cache_same_inputs", time_it=True)
+    rejected(v, "timed_path")
+    assert "timed runs" in v.reason
+
+
 # -- 9: CUDA graph capture and replay (GPU only) ----------------------------------------
 @pytest.mark.gpu
 def test_guard9_device_sync_inside_launch_breaks_graph_capture():
@@ -155,6 +163,14 @@ def test_guard9_private_stream_candidate_is_caught_by_replayed_outputs():
     v = evaluate("rmsnorm", CANDIDATES / "hack_private_stream.py", device="cuda",
                  shapes=[{"M": 64, "N": 4096}])
     rejected(v, "cuda_graph")
+
+
+@pytest.mark.gpu
+def test_guard9_graph_that_replays_an_output_saved_before_capture_is_caught_on_fresh_inputs():
+    v = evaluate("rmsnorm", CANDIDATES / "hack_capture_replay_cache.py", device="cuda",
+                 shapes=[{"M": 64, "N": 4096}])
+    rejected(v, "cuda_graph")
+    assert "timed runs" in v.reason
 
 
 @pytest.mark.gpu

@@ -57,13 +57,15 @@ class Child:
         if self.device.startswith("cuda"):
             self.torch.cuda.synchronize()
 
-    def _tensors(self, request):
-        torch = self.torch
+    def _inputs(self, request, seed):
         dtype = self.dtype_from_name(request["dtype"])
-        g = torch.Generator(device=self.device).manual_seed(int(request["seed"]))
-        inputs = self.spec.make_inputs(request["shape"], dtype, self.device, g, request["dist"])
-        outputs = self.spec.make_outputs(request["shape"], dtype, self.device)
-        return inputs, outputs
+        g = self.torch.Generator(device=self.device).manual_seed(int(seed))
+        return self.spec.make_inputs(request["shape"], dtype, self.device, g, request["dist"])
+
+    def _tensors(self, request):
+        outputs = self.spec.make_outputs(request["shape"], self.dtype_from_name(request["dtype"]),
+                                         self.device)
+        return self._inputs(request, request["seed"]), outputs
 
     def _poison(self, outputs):
         for t in outputs.values():
@@ -151,13 +153,25 @@ class Child:
         inputs, outputs = self._tensors(request)
         args = self.spec.call_args(inputs, outputs)
         params = request.get("params") or {}
-        before = self._input_digests(inputs)
+        rep_seeds = [int(s) for s in request["rep_seeds"]]
+        before = {}
+
+        def refresh(i):
+            # Fresh values in the same buffers (a captured graph keeps its pointers) before
+            # every timed call: the inputs of warm-up and capture are never timed again.
+            fresh = self._inputs(request, rep_seeds[i])
+            for name, t in fresh.items():
+                if isinstance(t, self.torch.Tensor):
+                    inputs[name].copy_(t)
+            if i == len(rep_seeds) - 1:
+                before.update(self._input_digests(fresh))
         # CUDA graph capture/replay registers torch's CUDA generator with the graph: that is
         # the harness's doing. Its RNG state is judged on the check requests, restored here.
         rng = self.torch.cuda.get_rng_state_all() if self.device.startswith("cuda") else None
         try:
             timing = self.timing.time_calls(lambda: self._call(args, params), self.device,
-                                            poison=lambda: self._poison(outputs))
+                                            poison=lambda: self._poison(outputs),
+                                            reps=len(rep_seeds), refresh=refresh)
             self._sync()
         except self.timing.CaptureError as exc:
             return {"ok": False, "guard": "cuda_graph", "reason": f"not capturable in a CUDA graph: {exc}"}

@@ -3,8 +3,10 @@
 CUDA: warm-up (compilation, autotune caches and handles stay out of the numbers), then one
 CUDA graph holding `launches_per_replay` back-to-back calls (amortises launch gaps for
 microsecond kernels), timed by CUDA events around each replay. Between replays, outside the
-timed region: the outputs are poisoned (NaN; guard 8 checks the last replay's outputs) and L2
-is flushed by zeroing a buffer of twice the device's L2 size. Median of >= 20 replays, per call.
+timed region: the inputs are refilled with a fresh draw (`refresh`: a kernel that replays a
+result saved while it was warmed up or captured, or cached by input, is wrong on them), the
+outputs are poisoned (NaN; guard 8 checks the last replay's outputs) and L2 is flushed by zeroing
+a buffer of twice the device's L2 size. Median of >= 20 replays, per call.
 
 CPU: the Triton interpreter; perf_counter around each call. Those numbers only keep the path
 exercised (labelled "cpu_interpreter (not a speed)").
@@ -83,10 +85,16 @@ def keep(candidate_ms: float, incumbent_ms: float, noise_band: float) -> bool:
     return candidate_ms * (1.0 + band) < incumbent_ms
 
 
-def time_cpu(fn, poison=None, reps: int = CPU_REPS) -> Timing:
+def default_reps(device: str) -> int:
+    return CUDA_REPS if str(device).startswith("cuda") else CPU_REPS
+
+
+def time_cpu(fn, poison=None, reps: int = CPU_REPS, refresh=None) -> Timing:
     fn()  # warm-up: the interpreter rewrites the kernel on first use
     times = []
-    for _ in range(reps):
+    for i in range(reps):
+        if refresh:
+            refresh(i)
         if poison:
             poison()
         t0 = _perf_counter()
@@ -107,7 +115,7 @@ def _l2_flush_buffer(device) -> torch.Tensor:
     return _flush_buffers[index]
 
 
-def time_cuda(fn, device="cuda", poison=None, reps: int = CUDA_REPS) -> Timing:
+def time_cuda(fn, device="cuda", poison=None, reps: int = CUDA_REPS, refresh=None) -> Timing:
     """Graph-replay timing; raises CaptureError when fn cannot live in a CUDA graph."""
     flush = _l2_flush_buffer(device)
     for _ in range(CUDA_WARMUP):
@@ -134,6 +142,8 @@ def time_cuda(fn, device="cuda", poison=None, reps: int = CUDA_REPS) -> Timing:
     starts = [_Event(enable_timing=True) for _ in range(reps)]
     ends = [_Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
+        if refresh:
+            refresh(i)
         if poison:
             poison()
         flush.zero_()
@@ -146,7 +156,8 @@ def time_cuda(fn, device="cuda", poison=None, reps: int = CUDA_REPS) -> Timing:
     return Timing(times, "cuda_graph_replay", n)
 
 
-def time_calls(fn, device: str, poison=None, reps: int | None = None) -> Timing:
+def time_calls(fn, device: str, poison=None, reps: int | None = None, refresh=None) -> Timing:
+    """`refresh(i)`, when given, runs before rep i outside the timed region (new input values)."""
     if str(device).startswith("cuda"):
-        return time_cuda(fn, device, poison, reps or CUDA_REPS)
-    return time_cpu(fn, poison, reps or CPU_REPS)
+        return time_cuda(fn, device, poison, reps or CUDA_REPS, refresh)
+    return time_cpu(fn, poison, reps or CPU_REPS, refresh)

@@ -2,11 +2,12 @@
 
 Order per shape (the whole sweep, guard 6): two correctness trials on fresh inputs from
 different distributions (guard 2), the first repeated on the same inputs (guard 10); then the
-timed runs, whose final outputs are checked too (guard 8; on CUDA they come from CUDA graph
-replays, guard 9). Each trial: child draws inputs from a one-time seed, poisons outputs (4),
-calls launch() under the op recorder and the launch counter (7), reports input digests (5) and
-global-state changes (11), and writes the outputs to files; the parent draws the same inputs,
-computes the fp64 reference and compares (3). The first failure rejects.
+timed runs, on fresh inputs for every timed call, whose final outputs are checked too (guard 8;
+on CUDA they come from CUDA graph replays, guard 9). Each trial: child draws inputs from a
+one-time seed, poisons outputs (4), calls launch() under the op recorder and the launch counter
+(7), reports input digests (5) and global-state changes (11), and writes the outputs to files;
+the parent draws the same inputs, computes the fp64 reference and compares (3). The first
+failure rejects.
 """
 from __future__ import annotations
 
@@ -177,12 +178,15 @@ def _evaluate(child, spec, verdict, params, device, shapes, dtype, timeout_s, ti
                                                            f"same inputs by {diff:.3g} (band {band:.3g})")
             del inputs, reference
         if time_it:
+            # warm-up/capture inputs, then a fresh draw before every timed call; the last
+            # call's inputs are the ones its outputs are checked against
             seed, dist = _seed(), dists[i % len(dists)]
+            rep_seeds = [_seed() for _ in range(timing.default_reps(device))]
             where = f"shape {label} timed runs"
             reply = child.request({"op": "time", "shape": shape_dims, "dtype": result.dtype,
-                                   "seed": seed, "dist": dist, "params": params,
-                                   "workdir": workdir, "tag": f"s{i}"}, timeout_s)
-            inputs = _draw(spec, shape_dims, dt, device, seed, dist)
+                                   "seed": seed, "rep_seeds": rep_seeds, "dist": dist,
+                                   "params": params, "workdir": workdir, "tag": f"s{i}"}, timeout_s)
+            inputs = _draw(spec, shape_dims, dt, device, rep_seeds[-1], dist)
             _judge_common(reply, inputs, where)
             reference = spec.reference(inputs)
             # On CUDA the timed outputs come from graph replays: work outside the captured
