@@ -135,6 +135,12 @@ def test_guard7_torch_compute_op_during_launch_is_recorded_and_rejected():
     assert "mul_" in v.reason
 
 
+def test_guard7_torch_compute_in_a_pre_run_hook_of_the_kernel_is_rejected():
+    v = check("hack_pre_run_hook")
+    rejected(v, "torch_compute")
+    assert "pre-run hook" in v.reason
+
+
 # -- 8: the timed path is the checked path ---------------------------------------------
 def test_guard8_candidate_that_stops_working_after_three_calls_fails_in_the_timed_runs():
     v = check("hack_call_counter", time_it=True)

@@ -122,6 +122,7 @@ class Child:
         self._poison(outputs)
         self._sync()
         self.counter.launches = 0
+        self.counter.violations = []
         recorder = self.sandbox.OpRecorder()
         try:
             with recorder:
@@ -130,7 +131,7 @@ class Child:
         except BaseException as exc:
             return self._exception_reply(exc)
         reply = {"ok": True, "launches": self.counter.launches,
-                 "forbidden_ops": sorted(set(recorder.forbidden)),
+                 "forbidden_ops": sorted(set(recorder.forbidden + self.counter.violations)),
                  "input_digests_before": before, "input_digests_after": self._input_digests(inputs),
                  "state_changes": self._state_changes()}
         reply["outputs"] = self._write(outputs, request["workdir"], f"{request['tag']}-run1")

@@ -40,13 +40,39 @@ def _paused() -> bool:
     return getattr(_local, "in_launch", 0) > 0
 
 
+_HOOK_KNOBS = ("launch_enter_hook", "launch_exit_hook", "jit_cache_hook", "jit_post_compile_hook")
+
+
+def _launch_hooks() -> dict:
+    """Triton's process-wide launch/compile hooks, comparable (None, or the ids of a chain's calls)."""
+    try:
+        from triton import knobs
+        runtime = knobs.runtime
+    except (ImportError, AttributeError):  # triton without knobs
+        return {}
+    hooks = {}
+    for name in _HOOK_KNOBS:
+        value = getattr(runtime, name, None)
+        calls = getattr(value, "calls", None)
+        hooks[name] = tuple(id(c) for c in calls) if isinstance(calls, list) else id(value)
+    return hooks
+
+
 class LaunchCounter:
+    """Counts launches; `violations` names code a launch would run besides the kernel (a pre-run
+    hook on the kernel, a Triton launch or compile hook): it runs while the op recorder is
+    paused, so torch compute there would pass as Triton."""
+
     def __init__(self):
         self.launches = 0
+        self.violations: list[str] = []
         self._installed = []
+        self._hooks0: dict = {}
 
     def install(self) -> None:
         from triton.runtime import jit as jit_mod
+
+        self._hooks0 = _launch_hooks()
 
         targets = [jit_mod.JITFunction]
         try:
@@ -61,6 +87,7 @@ class LaunchCounter:
             def run(self, *args, _original=original, **kwargs):
                 if not kwargs.get("warmup", False):
                     counter.launches += 1
+                counter.inspect(self)
                 _local.in_launch = getattr(_local, "in_launch", 0) + 1
                 try:
                     return _original(self, *args, **kwargs)
@@ -69,6 +96,14 @@ class LaunchCounter:
 
             cls.run = run
             self._installed.append((cls, run))
+
+    def inspect(self, kernel) -> None:
+        if getattr(kernel, "pre_run_hooks", None):
+            self.violations.append(f"pre-run hook on {getattr(kernel, 'fn', kernel)!r}"[:120])
+        hooks = _launch_hooks()
+        for name, value in hooks.items():
+            if value != self._hooks0.get(name):
+                self.violations.append(f"triton.knobs.runtime.{name} set")
 
     def intact(self) -> bool:
         return all(cls.__dict__.get("run") is fn for cls, fn in self._installed)
