@@ -291,7 +291,9 @@ class Service:
                             pass
                         if self.metrics:
                             self.metrics.inc_restore(event)
-            elif self.state.probation > 0 and self.state.suspended is None:
+            elif self.state.probation > 0 and self.state.suspended is None and fresh:
+                # Only an event that starts while the daemon's own apply is on probation is
+                # ours to answer; one still standing from a tune it already signalled is not.
                 self.restore_known_good(event, f"gpu{i} {why}")
             elif fresh:
                 self.log(f"gpu{i} {event} ({why}); settings already known good, nothing restored")

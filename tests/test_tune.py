@@ -121,6 +121,14 @@ def test_thermal_event_during_a_tune_restores_the_daemons_settings(host):
         report = json.loads(out)
         assert report["aborted"] and report["kept"] == report["baseline"]
         host.set("write_delay_ms=0")
+        # A poll after the tune, with the temperature still high, must not undo the daemon's
+        # profile: that event was the tune's, and the tune answered it.
+        def polled_after_tune():
+            d._drain()
+            statuses = [m["STATUS"] for m in d.messages if "STATUS" in m]
+            last_tuning = max(i for i, text in enumerate(statuses) if "is tuning" in text)
+            return any("watching" in text for text in statuses[last_tuning + 1:])
+        wait_until(polled_after_tune, "a daemon poll after the tune ended")
         # Back at the daemon's profile (its known-good), and the daemon did not fight the tune.
         assert run_hwtune("--sim", host.sim, "verify", "-p", "efficiency").returncode == 0
         assert d.proc.poll() is None
