@@ -90,6 +90,13 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "It is verified on fresh random inputs of every shape (several distributions), for "
              "unwritten outputs, input mutation, determinism and global state, then timed "
              "against stock. Start from `baseline.py`; see context/ for the hardware.", "",
+             "## Rules (checked before and while it runs; a breach is a rejection)",
+             "- imports: torch, triton, triton.language, math, functools, itertools, typing, "
+             "dataclasses, operator, enum — nothing else; no open/eval/exec/getattr/setattr, "
+             "no dunder names, no sys/os/threading or frame attributes, no attrgetter/methodcaller",
+             "- no torch compute in launch (allocation and views only), no Triton pre-run or "
+             "launch hooks, no thread left running, no global switches (tf32, default dtype, RNG, "
+             "environment); it must be capturable in a CUDA graph", "",
              "## Contract", doc.strip(), "",
              # the harness's rule: an explicit dtype wins over a shape's own
              f"## Shapes ({'all in ' + dtype if dtype else 'primary dtype unless a shape names its own'})"]
