@@ -17,11 +17,15 @@ a fingerprint other than this device's, or a tuned source whose hash changed -> 
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib
 import importlib.util
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -176,10 +180,30 @@ class DispatchTable:
     def save(self, path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
+        # A private temporary name: two writers never share (and tear) one temporary file.
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return path
+
+    @staticmethod
+    @contextlib.contextmanager
+    def updating(path):
+        """Load-merge-save under an exclusive lock (PATH.lock), so that two searches, or a search
+        and a `share import`, never lose each other's winners. Yields the current table (empty
+        when there is none); the caller saves it before leaving the block."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield DispatchTable.load(path) if path.exists() else DispatchTable.empty()
 
 
 def _load_launch(entry: dict):

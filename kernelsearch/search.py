@@ -334,12 +334,19 @@ class Loop:
 def write_dispatch(path: Path, kernel: str, fingerprint: dict, fingerprint_id: str,
                    reports: list[ShapeReport]) -> Path:
     """Merge this run's winners into the device's table: this kernel's swept shapes are replaced."""
+    from kernelsearch.dispatch import DispatchTable
+
+    with DispatchTable.updating(path) as table:
+        return _merge_winners(table, kernel, fingerprint, fingerprint_id, reports).save(path)
+
+
+def _merge_winners(table, kernel: str, fingerprint: dict, fingerprint_id: str,
+                   reports: list[ShapeReport]):
     import torch
     import triton
 
     from kernelsearch.dispatch import DispatchTable
 
-    table = DispatchTable.load(path) if Path(path).exists() else DispatchTable.empty()
     if table.data.get("fingerprint_id") not in (None, fingerprint_id):
         table = DispatchTable.empty()
     swept = {(r.dtype, _shape_key(r.shape)) for r in reports}
@@ -356,7 +363,7 @@ def write_dispatch(path: Path, kernel: str, fingerprint: dict, fingerprint_id: s
                 "speedup": round(r.speedup, 4) if r.speedup else None, "noise_band": b["noise_band"]})
     table.data.update(fingerprint_id=fingerprint_id, fingerprint=fingerprint,
                       triton=triton.__version__, torch=torch.__version__, updated_at=time.time())
-    return table.save(path)
+    return table
 
 
 def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device: str = "cpu",

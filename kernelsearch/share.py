@@ -175,43 +175,51 @@ def import_bundle(bundle: dict, state_dir, local_fingerprint: dict, ledger_path=
     if dispatch and dispatch.get("entries"):
         target_id = ours_id
         path = table_path(state_dir, target_id)
-        table = DispatchTable.load(path) if path.exists() else DispatchTable.empty()
-        index = {_entry_key(e): i for i, e in enumerate(table.entries)}
-        source_dir = Path(state_dir) / "shared" / "sources"
-        for entry in dispatch["entries"]:
-            entry = dict(entry)
-            src_path = (entry.get("source") or {}).get("path")
-            if src_path:
-                text = (bundle.get("sources") or {}).get(entry.get("source_hash"))
-                if text is None:
-                    continue  # the exporter left it out; nothing to run it from
-                source_dir.mkdir(parents=True, exist_ok=True)
-                local = source_dir / f"{entry['source_hash']}{Path(src_path).suffix or '.py'}"
-                if not local.exists():
-                    local.write_text(text)
-                entry["source"] = {"path": str(local.resolve())}
-            if foreign:
-                entry["imported_from"] = theirs_id
-            k = _entry_key(entry)
-            if k not in index:
-                index[k] = len(table.entries)
-                table.entries.append(entry)
-                report["entries_added"] += 1
-                continue
-            current = table.entries[index[k]]
-            same = (current.get("source_hash"), canonical(current.get("params")), current.get("source")) == \
-                   (entry.get("source_hash"), canonical(entry.get("params")), entry.get("source"))
-            if not same and _ms(entry) < _ms(current):
-                table.entries[index[k]] = entry
-                report["entries_replaced"] += 1
-            else:
-                report["entries_kept"] += 1
-        fp = local_fingerprint
-        table.data.update(fingerprint_id=target_id, fingerprint=fp, updated_at=time.time())
-        table.data.setdefault("triton", fp.get("triton"))
-        table.data.setdefault("torch", fp.get("torch"))
-        report["table"] = str(table.save(path))
+        with DispatchTable.updating(path) as table:
+            report["table"] = str(_merge_entries(table, dispatch, bundle, state_dir, report, foreign,
+                                                 theirs_id, target_id, local_fingerprint).save(path))
     return report
+
+
+def _merge_entries(table, dispatch, bundle, state_dir, report, foreign, theirs_id, target_id,
+                   local_fingerprint):
+    """Add the bundle's winners to this host's table; a conflicting entry is replaced only by a
+    faster one."""
+    index = {_entry_key(e): i for i, e in enumerate(table.entries)}
+    source_dir = Path(state_dir) / "shared" / "sources"
+    for entry in dispatch["entries"]:
+        entry = dict(entry)
+        src_path = (entry.get("source") or {}).get("path")
+        if src_path:
+            text = (bundle.get("sources") or {}).get(entry.get("source_hash"))
+            if text is None:
+                continue  # the exporter left it out; nothing to run it from
+            source_dir.mkdir(parents=True, exist_ok=True)
+            local = source_dir / f"{entry['source_hash']}{Path(src_path).suffix or '.py'}"
+            if not local.exists():
+                local.write_text(text)
+            entry["source"] = {"path": str(local.resolve())}
+        if foreign:
+            entry["imported_from"] = theirs_id
+        k = _entry_key(entry)
+        if k not in index:
+            index[k] = len(table.entries)
+            table.entries.append(entry)
+            report["entries_added"] += 1
+            continue
+        current = table.entries[index[k]]
+        same = (current.get("source_hash"), canonical(current.get("params")), current.get("source")) == \
+               (entry.get("source_hash"), canonical(entry.get("params")), entry.get("source"))
+        if not same and _ms(entry) < _ms(current):
+            table.entries[index[k]] = entry
+            report["entries_replaced"] += 1
+        else:
+            report["entries_kept"] += 1
+    fp = local_fingerprint
+    table.data.update(fingerprint_id=target_id, fingerprint=fp, updated_at=time.time())
+    table.data.setdefault("triton", fp.get("triton"))
+    table.data.setdefault("torch", fp.get("torch"))
+    return table
 
 
 def _same_row(a: dict, b: dict) -> bool:

@@ -125,3 +125,26 @@ def test_dispatch_module_imports_no_search_machinery():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True,
                           timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_concurrent_updates_of_one_table_keep_every_writers_entries(tmp_path):
+    """Two processes merging into the same table at once (a search and a `share import`, or two
+    searches) must not lose each other's winners: load-merge-save runs under the table's lock."""
+    path = tmp_path / "table.json"
+    writer = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from kernelsearch.dispatch import DispatchTable
+        name = sys.argv[1]
+        for i in range(25):
+            with DispatchTable.updating({str(path)!r}) as table:
+                table.entries.append({{"kernel": name, "dtype": "float32", "shape": {{"M": i}}}})
+                time.sleep(0.002)  # widen the load -> save window
+                table.save({str(path)!r})
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", writer, name]) for name in ("a", "b")]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    entries = json.loads(path.read_text())["entries"]
+    assert sorted((e["kernel"], e["shape"]["M"]) for e in entries) == \
+        sorted((k, i) for k in ("a", "b") for i in range(25))
+    assert not list(tmp_path.glob("*.tmp"))
