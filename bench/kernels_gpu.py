@@ -293,65 +293,20 @@ def stock_fn(kernel):
 # ----------------------------------------------------------------------------- timing
 
 class Timer:
-    """Graph-replay timing (the harness's, when importable) and plain eager-launch timing."""
+    """Graph-replay timing (the harness's own) and plain eager-launch timing."""
 
     def __init__(self, device: str):
         self.device = device
-        self.harness = None
-        if device == "cuda":
-            try:
-                from kernelsearch.harness import timing as harness_timing
-                self.harness = harness_timing
-            except Exception as exc:
-                log(f"harness timing unavailable ({type(exc).__name__}: {exc}); local timer")
-        self._flush = None
-
-    def flush_buffer(self):
-        import torch
-        if self._flush is None:
-            l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or (64 << 20)
-            self._flush = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
-        return self._flush
+        from kernelsearch.harness import timing
+        self.harness = timing
 
     def graphed(self, fn) -> tuple[float, dict]:
         """Median ms per call of fn, replayed from a CUDA graph with L2 flushed between replays."""
         if self.device != "cuda":
             return self.eager(fn)
-        if self.harness is not None:
-            t = self.harness.time_calls(fn, "cuda")
-            return t.median_ms, {"method": t.method, "launches_per_replay": t.launches_per_replay,
-                                 "p20_ms": t.p20_ms, "p80_ms": t.p80_ms}
-        return self._local_graphed(fn)
-
-    def _local_graphed(self, fn, reps=25):
-        import torch
-        flush = self.flush_buffer()
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        n = max(1, min(20, int(1.0 / max(s.elapsed_time(e), 1e-3))))
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(n):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for k in range(reps):
-            flush.zero_()
-            starts[k].record()
-            g.replay()
-            ends[k].record()
-        torch.cuda.synchronize()
-        times = sorted(a.elapsed_time(b) / n for a, b in zip(starts, ends))
-        del g
-        return times[len(times) // 2], {"method": "local_graph_replay", "launches_per_replay": n}
+        t = self.harness.time_calls(fn, "cuda")
+        return t.median_ms, {"method": t.method, "launches_per_replay": t.launches_per_replay,
+                             "p20_ms": t.p20_ms, "p80_ms": t.p80_ms}
 
     def eager(self, fn, reps=15) -> tuple[float, dict]:
         """Median ms per call with ordinary launches (host launch overhead included)."""
@@ -364,7 +319,7 @@ class Timer:
                 times.append((time.perf_counter() - t0) * 1e3)
             return sorted(times)[1], {"method": "cpu_interpreter (not a speed)"}
         import torch
-        flush = self.flush_buffer()
+        flush = self.harness.l2_flush_buffer("cuda")
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
@@ -799,13 +754,7 @@ def dispatch_table(results: list, device: str) -> dict:
         fid = fingerprint_id(fp)
     except Exception as exc:
         log(f"fingerprint unavailable: {short_err(exc)}")
-    try:
-        from kernelsearch.dispatch import file_sha256
-    except Exception:
-        import hashlib
-
-        def file_sha256(path):
-            return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    from kernelsearch.dispatch import file_sha256
     from kernelsearch.kernels import TEMPLATES, template_path
     entries, decisions = [], []
     for res in results:
@@ -865,26 +814,8 @@ def measure_ceilings(device: str) -> dict:
         from kernelsearch.roofline import measure
         c = measure("cuda")
     except Exception as exc:
-        log(f"roofline.measure failed ({short_err(exc)}); local measurement")
-        src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").uniform_()
-        dst = torch.empty_like(src)
-        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-
-        def med(fn):
-            fn()
-            ts = []
-            for _ in range(10):
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                e.synchronize()
-                ts.append(s.elapsed_time(e))
-            return sorted(ts)[5]
-        c = {"copy_gb_s": 2 * src.numel() * 2 / (med(lambda: dst.copy_(src)) * 1e-3) / 1e9,
-             "matmul_tflops": 2 * 8192 ** 3 / (med(lambda: a @ b) * 1e-3) / 1e12,
-             "method": "local: copy 2 GiB read+write, 8192^3 bf16 matmul, median of 10"}
+        log(f"roofline.measure failed ({short_err(exc)}); no ceilings, no % of ceiling")
+        c = {"error": short_err(exc)}
     props = torch.cuda.get_device_properties(0)
     c.update(gpu=props.name, sm_count=props.multi_processor_count,
              l2_bytes=getattr(props, "L2_cache_size", 0) or (60 << 20))
@@ -940,7 +871,7 @@ def main(argv=None) -> int:
                     setattr(torch._dynamo.config, name, 256)
         except Exception as exc:
             log(f"dynamo config: {short_err(exc)}")
-    doc["timer"] = "kernelsearch.harness.timing" if timer.harness else "local"
+    doc["timer"] = "kernelsearch.harness.timing"
     liger = load_liger() if args.device == "cuda" else {}
     doc["liger"] = sorted(liger)
 

@@ -106,7 +106,7 @@ def time_cpu(fn, poison=None, reps: int = CPU_REPS, refresh=None) -> Timing:
 _flush_buffers: dict = {}
 
 
-def _l2_flush_buffer(device) -> torch.Tensor:
+def l2_flush_buffer(device) -> torch.Tensor:
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     if index not in _flush_buffers:
@@ -117,7 +117,7 @@ def _l2_flush_buffer(device) -> torch.Tensor:
 
 def time_cuda(fn, device="cuda", poison=None, reps: int = CUDA_REPS, refresh=None) -> Timing:
     """Graph-replay timing; raises CaptureError when fn cannot live in a CUDA graph."""
-    flush = _l2_flush_buffer(device)
+    flush = l2_flush_buffer(device)
     for _ in range(CUDA_WARMUP):
         fn()
     _synchronize()
