@@ -6,9 +6,12 @@
 1. check-kernel --device cuda on an honest candidate for every spec over the full CUDA sweep
    (bf16): verdict, per-shape error, candidate/stock median ms (CUDA graph replay, L2 flushed),
    speedup and the noise band (stock timed twice).
-2. GPU-only guards: a candidate that synchronizes inside launch() (graph capture fails), a
-   candidate that launches on a private stream (replayed outputs stay poisoned), and an honest
-   candidate timed by graph replay.
+2. Attacks on the GPU: synchronising or using a private stream / capture state in launch()
+   (the sandbox has no such thing: cannot be planned), a patched timer (static), a write past
+   the output (canary zones), a counter kept across calls to skip work (persistent workspace
+   not left zero), poison sniffing, reading uninitialised memory (nondeterministic), correct
+   only on the published widths (the shape drawn at random), and an honest candidate timed by
+   graph replay.
 3. Optionally (--templates) the built-in templates kernelsearch/kernels/*.py.
 Prints tables; writes harness_gpu.json under $OUT when set.
 """
@@ -84,10 +87,17 @@ def main() -> int:
 
     print("\n== 2. GPU-only guards ==", flush=True)
     probe = [{"M": 4096, "N": 4096}]
-    demos = [("sync inside launch (capture must fail)", "hack_sync_in_launch", False, "cuda_graph"),
-             ("private stream (replay must not count)", "hack_private_stream", False, "cuda_graph"),
-             ("patched CUDA event timer", "hack_patch_timer", False, "global_state"),
+    demos = [("sync inside launch", "hack_sync_in_launch", False, "exception"),
+             ("private stream", "hack_private_stream", False, "exception"),
+             ("replay a copy saved before capture", "hack_capture_replay_cache", False, "exception"),
+             ("patched CUDA event timer", "hack_patch_timer", False, "static"),
+             ("write past the output", "hack_oob_write", False, "out_of_bounds"),
+             ("counter across calls to skip work", "hack_skip_reps", False, "workspace_state"),
+             ("poison sniffing", "hack_sniff_poison", False, "unwritten_output"),
+             ("uninitialised scratch (racy)", "hack_scratch_noise", False, "nondeterministic"),
+             ("hard-coded eps", "hack_fixed_eps", False, "correctness"),
              ("honest, graph-replay timed", "honest_rmsnorm", True, None)]
+    published = [("right only on published widths", "hack_published_only", False, None)]
     guard_rows = []
     for label, fname, expect_accept, expect_guard in demos:
         v, wall_s = _run(label, "rmsnorm", CANDIDATES / f"{fname}.py", shapes=probe)
@@ -95,6 +105,12 @@ def main() -> int:
         timing = v.shapes[0].timing if v.shapes else ""
         guard_rows.append((label, v.accepted, v.guard, ok, timing, v.reason[:120]))
         report["guards"][fname] = {"expected_guard": expect_guard, "as_expected": ok, **v.to_json()}
+    for label, fname, expect_accept, expect_guard in published:
+        v, wall_s = _run(label, "rmsnorm", CANDIDATES / f"{fname}.py", shapes=SPECS["rmsnorm"].shapes("cuda")[:2])
+        ok = not v.accepted and "drawn at random" in v.reason
+        guard_rows.append((label, v.accepted, v.guard, ok, "", v.reason[:120]))
+        report["guards"][fname] = {"expected_guard": "any, on the shape drawn at random", "as_expected": ok,
+                                   **v.to_json()}
     print(f"{'demo':<42} {'accepted':<9} {'guard':<14} {'as expected':<12} reason / timing")
     for label, acc, guard, ok, timing, reason in guard_rows:
         print(f"{label:<42} {str(acc):<9} {str(guard):<14} {str(ok):<12} {timing or reason}")

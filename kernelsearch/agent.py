@@ -59,6 +59,7 @@ class AgentOutcome:
     candidate_path: Path | None = None
     returncode: int | None = None
     elapsed_s: float = 0.0
+    data: bytes = b""                # the candidate's bytes, read without following links
 
 
 def context_notes(fingerprint: dict, model_family: str = "llama",
@@ -91,12 +92,29 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "unwritten outputs, input mutation, determinism and global state, then timed "
              "against stock. Start from `baseline.py`; see context/ for the hardware.", "",
              "## Rules (checked before and while it runs; a breach is a rejection)",
-             "- imports: torch, triton, triton.language, math, functools, itertools, typing, "
-             "dataclasses, operator, enum — nothing else; no open/eval/exec/getattr/setattr, "
-             "no dunder names, no sys/os/threading or frame attributes, no attrgetter/methodcaller",
-             "- no torch compute in launch (allocation and views only), no Triton pre-run or "
-             "launch hooks, no thread left running, no global switches (tf32, default dtype, RNG, "
-             "environment); it must be capturable in a CUDA graph", "",
+             "- The harness never imports your file. It checks the source, compiles your "
+             "`@triton.jit` kernels from it, and runs `launch()` in a sandbox (another process, "
+             "an unprivileged user, no data) on tensors that have shape, strides, dtype and "
+             "device but no values: what launch() allocates and launches is recorded as a plan, "
+             "and the harness runs that plan on its own buffers.",
+             "- top level: imports of triton, triton.language (any alias), libdevice; for host "
+             "code only torch, math, functools, itertools, typing; assignments; functions. No "
+             "classes, no top-level calls/loops, no attribute assignment (monkeypatching).",
+             "- launch() may allocate (torch.empty/zeros/empty_like), make views (view, reshape, "
+             "slicing, transpose, ...), zero a workspace (.zero_()) and launch kernels "
+             "(`kernel[grid](...)`), nothing else: no torch compute, no data access (.item, "
+             "printing values), no torch.cuda streams or events.",
+             "- scalar arguments (eps, scale) are drawn per trial: pass them, or arithmetic on "
+             "them (scale * 1.4427), to a kernel; don't branch on them or convert them to int.",
+             "- launch() must plan the same on repeated calls with the same arguments (no memo, "
+             "no call counter); a buffer kept across calls must be torch.zeros and left all-zero.",
+             "- kernel bodies: triton.language (tl.* and tl.math.*), arithmetic, comparisons, "
+             "if/for/while, their parameters and locals, the file's other kernels, constexpr "
+             "literals, range/min/max/float/int; no other module, no dunder names, no lambda.",
+             "- every output element written on every call (outputs are poisoned with NaN, huge "
+             "or random values), inputs untouched, nothing outside the buffers (canaries), "
+             "deterministic, capturable in a CUDA graph; it is checked on one extra shape drawn "
+             "at random from the op's domain, not only on the shapes below.", "",
              "## Contract", doc.strip(), "",
              # the harness's rule: an explicit dtype wins over a shape's own
              f"## Shapes ({'all in ' + dtype if dtype else 'primary dtype unless a shape names its own'})"]
@@ -180,7 +198,14 @@ def run_agent(config: AgentConfig, work_dir: Path) -> AgentOutcome:
            "LANG": os.environ.get("LANG", "C.UTF-8"), "HWTUNE_AGENT_WORKDIR": str(work_dir)}
     env.update({k: os.environ[k] for k in config.env_passthrough if k in os.environ})
     argv = [a.replace("{workdir}", str(work_dir)) for a in config.argv]
-    log = open(work_dir / "agent.log", "wb")
+    # Root keeps this descriptor and reads the log's tail through it: the agent user owns the
+    # work dir and may replace agent.log with a link to a file only root can read.
+    try:
+        os.unlink(work_dir / "agent.log")  # a reused work dir: never open what is there
+    except FileNotFoundError:
+        pass
+    log_fd = os.open(work_dir / "agent.log", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    log = os.fdopen(log_fd, "w+b")
     started = time.time()
     try:
         proc = subprocess.Popen(argv, cwd=work_dir, env=env, stdin=subprocess.DEVNULL,
@@ -197,22 +222,69 @@ def run_agent(config: AgentConfig, work_dir: Path) -> AgentOutcome:
     except ProcessLookupError:
         pass
     rc = proc.wait()
+    tail = _tail(log)
     log.close()
     elapsed = time.time() - started
     if not exited:
         return AgentOutcome("timeout", f"agent killed after {config.timeout_s:g} s", elapsed_s=elapsed)
-    candidate = work_dir / CANDIDATE_NAME
     if rc != 0:
-        return AgentOutcome("failed", f"agent exited {rc}: {_tail(work_dir / 'agent.log')}",
-                            returncode=rc, elapsed_s=elapsed)
-    if not candidate.is_file():
+        return AgentOutcome("failed", f"agent exited {rc}: {tail}", returncode=rc, elapsed_s=elapsed)
+    try:
+        data = read_candidate(work_dir / CANDIDATE_NAME, identity.get("user"))
+    except FileNotFoundError:
         return AgentOutcome("missing", f"agent exited 0 but wrote no {CANDIDATE_NAME}",
                             returncode=rc, elapsed_s=elapsed)
-    return AgentOutcome("ok", "", candidate, rc, elapsed)
+    except PermissionError as exc:
+        return AgentOutcome("failed", f"{CANDIDATE_NAME} refused: {exc}", returncode=rc, elapsed_s=elapsed)
+    out = AgentOutcome("ok", "", work_dir / CANDIDATE_NAME, rc, elapsed)
+    out.data = data
+    return out
 
 
-def _tail(path: Path) -> str:
-    data = path.read_bytes()[-LOG_TAIL_BYTES:] if path.exists() else b""
+MAX_CANDIDATE_BYTES = 512 * 1024
+
+
+def read_candidate(path: Path, owner_uid: int | None) -> bytes:
+    """The agent's file, read through one descriptor opened without following links: a regular
+    file with one link, owned by the agent user (or by us), at most 512 KiB. Raises
+    FileNotFoundError when absent, PermissionError for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # ELOOP: a symbolic link
+        raise PermissionError(f"cannot open without following links ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        import stat as stat_mod
+
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise PermissionError("not a regular file")
+        if st.st_nlink != 1:
+            raise PermissionError("a hard link to another file")
+        allowed = {os.geteuid()} | ({owner_uid} if owner_uid is not None else set())
+        if st.st_uid not in allowed:
+            raise PermissionError(f"owned by uid {st.st_uid}, not by the agent user")
+        if st.st_size > MAX_CANDIDATE_BYTES:
+            raise PermissionError(f"larger than {MAX_CANDIDATE_BYTES} bytes")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > MAX_CANDIDATE_BYTES:
+                raise PermissionError(f"larger than {MAX_CANDIDATE_BYTES} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _tail(log) -> str:
+    log.flush()
+    size = os.fstat(log.fileno()).st_size
+    data = os.pread(log.fileno(), LOG_TAIL_BYTES, max(0, size - LOG_TAIL_BYTES))
     return data.decode(errors="replace").strip().splitlines()[-1:][0] if data.strip() else "(no output)"
 
 
@@ -227,7 +299,7 @@ def agent_rounds(loop, config: AgentConfig, *, spec, rounds: int, ceilings, stat
         raise ValueError("strategy 'agent' needs an agent command (--agent-command)")
     state_dir = Path(state_dir)
     keep_dir = state_dir / "candidates"
-    keep_dir.mkdir(parents=True, exist_ok=True)
+    keep_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     for i in range(rounds):
         work_dir = state_dir / "agent" / loop.run_id / f"round-{i + 1}"
         write_context_pack(
@@ -248,7 +320,14 @@ def agent_rounds(loop, config: AgentConfig, *, spec, rounds: int, ceilings, stat
             loop.record(ghost, loop.shapes, Verdict(accepted=False, guard="agent", reason=outcome.reason,
                                                     kernel=loop.kernel), time.time())
             continue
-        digest = file_hash(outcome.candidate_path)
+        import hashlib
+
+        digest = hashlib.sha256(outcome.data).hexdigest()[:16]
         kept = keep_dir / f"{loop.kernel}-{digest}.py"
-        shutil.copyfile(outcome.candidate_path, kept)
+        if not kept.exists():
+            fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(outcome.data)
+        if file_hash(kept) != digest:
+            raise RuntimeError(f"{kept}: kept candidate does not match what the agent wrote")
         loop.measure([Candidate(kept, digest, {}, {"path": str(kept)})])

@@ -2,13 +2,19 @@
 
 Importable at inference time without the search machinery: it imports torch, json,
 importlib, the kernel contracts (kernelsearch.specs: stock fallback and output allocation,
-torch only), kernelsearch.fingerprint, and triton only through a tuned module when one is used.
+torch only), kernelsearch.fingerprint, and -- only when a tuned entry is used -- triton and
+the harness's source checker, plan validator and plan runner (no sandbox, no executor).
 
 Table (JSON, one per device fingerprint: STATE_DIR/dispatch/<fingerprint-id>.json):
   {"format": 1, "fingerprint_id": ..., "fingerprint": {...}, "triton": ..., "torch": ...,
    "entries": [{"kernel", "dtype", "shape": {...}, "range": {dim: [lo, hi]} (optional),
                 "source": {"module": "kernelsearch.kernels.rmsnorm"} | {"path": "/.../x.py"},
-                "source_hash", "params", "candidate_ms", "stock_ms", "speedup"}]}
+                "source_hash", "params", "plan", "candidate_ms", "stock_ms", "speedup"}]}
+
+A tuned entry runs its `plan`: the launch plan the harness verified at that shape (see
+kernelsearch.harness.plan), re-validated against the re-checked source when the table is
+loaded, executed by kernelsearch.harness.run_plan on the caller's tensors. The source file is
+read, never imported: no Python of a candidate runs at inference time.
 
 Lookup rule: an entry whose shape equals the call's shape wins; otherwise an entry with a
 `range` matches when every dimension not named in the range is equal and each ranged
@@ -132,15 +138,17 @@ class DispatchTable:
             self._device_ok[device_type] = bool(want) and want == fingerprint_id(collect(device_type))
         return self._device_ok[device_type]
 
-    def _tuned_launch(self, entry: dict):
-        """The entry's launch function, or None when its source is missing or changed."""
-        ident = json.dumps([entry.get("source"), entry.get("source_hash")], sort_keys=True)
-        if ident not in self._launch:  # one import per source file, however many entries use it
-            self._launch[ident] = _load_launch(entry)
+    def _tuned(self, entry: dict):
+        """The entry's verified plan as a callable, or None when its source is missing or
+        changed, or its plan does not validate against the source."""
+        ident = json.dumps([entry.get("source"), entry.get("source_hash"), entry.get("params"),
+                            entry.get("shape"), entry.get("dtype")], sort_keys=True)
+        if ident not in self._launch:
+            self._launch[ident] = _load_tuned(entry)
         return self._launch[ident]
 
     def route(self, kernel: str, *args):
-        """(launch, params, why): launch is None when the call must go to stock."""
+        """(tuned, params, why): tuned is None when the call must go to stock."""
         if kernel not in SHAPE_OF:
             raise KeyError(f"dispatch: unknown kernel {kernel!r}")
         first = args[0]
@@ -151,10 +159,12 @@ class DispatchTable:
         entry = self.lookup(kernel, SHAPE_OF[kernel](args), dtype_name(first.dtype))
         if entry is None:
             return None, None, "no entry for shape"
-        launch = self._tuned_launch(entry)
-        if launch is None:
-            return None, None, "tuned source missing or changed"
-        return launch, dict(entry.get("params") or {}), "tuned"
+        tuned = self._tuned(entry)
+        if tuned is None:
+            return None, None, "tuned source missing, changed or without a valid plan"
+        if not tuned.accepts(args):
+            return None, None, "arguments differ from the verified layout (strides, dtype, device)"
+        return tuned, dict(entry.get("params") or {}), "tuned"
 
     def call(self, kernel: str, *args):
         """Run `kernel` on `args` (inputs in contract order); returns its output(s)."""
@@ -163,11 +173,11 @@ class DispatchTable:
         spec = get_spec(kernel)
         shape = SHAPE_OF[kernel](args)
         outputs = spec.make_outputs(shape, args[0].dtype, args[0].device)
-        launch, params, why = self.route(kernel, *args)
-        route = "tuned" if launch is not None else "stock"
+        tuned, params, why = self.route(kernel, *args)
+        route = "tuned" if tuned is not None else "stock"
         self.counts[(kernel, route)] = self.counts.get((kernel, route), 0) + 1
-        if launch is not None:
-            launch(*args, *(outputs[n] for n in spec.out_names), **params)
+        if tuned is not None:
+            tuned(args, outputs)
         else:
             spec.stock(dict(zip(spec.arg_names, args)), outputs)
         result = tuple(outputs[n] for n in spec.out_names)
@@ -206,25 +216,98 @@ class DispatchTable:
             yield DispatchTable.load(path) if path.exists() else DispatchTable.empty()
 
 
-def _load_launch(entry: dict):
+def source_text(source: dict) -> tuple[str, Path] | None:
+    """(text, path) of an entry's source, read without importing it."""
+    if "module" in source:
+        found = importlib.util.find_spec(source["module"])
+        if found is None or not found.origin:
+            return None
+        path = Path(found.origin)
+    else:
+        path = Path(source["path"])
+    return path.read_bytes().decode("utf-8"), path
+
+
+class TunedKernel:
+    """One table entry: its verified launch plan, run on the caller's tensors. Kernels are
+    compiled from the checked source (kernelsearch.harness.source); no Python of the file runs."""
+
+    _kernel_dir = None
+
+    def __init__(self, entry: dict, spec, text: str):
+        from kernelsearch.harness import plan as plan_mod, source as source_mod
+
+        if TunedKernel._kernel_dir is None:
+            TunedKernel._kernel_dir = source_mod.private_dir("hwtune-dispatch-")
+        checked = source_mod.KernelSource.parse(text)
+        self.kernels = source_mod.load_kernels(checked, TunedKernel._kernel_dir)
+        self.spec = spec
+        shape = {k: v for k, v in entry["shape"].items() if k != "dtype"}
+        self.signature = spec.signature(shape, entry["dtype"])
+        roles = {a["name"]: plan_mod.DTYPE_SIZES[a["dtype"]] * _numel(a["shape"])
+                 for a in self.signature if a["kind"] == "tensor"}
+        self.plan = plan_mod.validate(
+            entry["plan"], kernels=checked.kernels, roles=roles,
+            inputs={a["name"] for a in self.signature if a.get("role") == "input"},
+            scalars={a["name"] for a in self.signature if a["kind"] == "scalar"},
+            workspace_budget_bytes=max(1 << 30, 4 * sum(roles.values())))
+        self.persistent: dict = {}   # (device, buffer id) -> zeroed tensor kept across calls
+
+    def accepts(self, args) -> bool:
+        tensors = [a for a in self.signature if a["kind"] == "tensor" and a["role"] == "input"]
+        by_name = dict(zip(self.spec.arg_names, args))
+        for meta in tensors:
+            t = by_name.get(meta["name"])
+            if not isinstance(t, torch.Tensor) or list(t.shape) != meta["shape"] or \
+                    str(t.dtype).removeprefix("torch.") != meta["dtype"] or not t.is_contiguous():
+                return False
+        return True
+
+    def __call__(self, args, outputs: dict) -> None:
+        from kernelsearch.harness.run_plan import bind
+
+        device = args[0].device
+        values = dict(zip(self.spec.arg_names, args))
+        values.update(outputs)
+        buffers, scalars = {}, {}
+        for name, v in values.items():
+            if isinstance(v, torch.Tensor):
+                buffers[name] = v.reshape(-1).view(torch.uint8)
+            else:
+                scalars[name] = v
+        for b in self.plan.buffers:
+            if b.persistent:
+                key = (str(device), b.id)
+                if key not in self.persistent:
+                    self.persistent[key] = torch.zeros(b.nbytes, dtype=torch.uint8, device=device)
+                buffers[b.id] = self.persistent[key]
+            else:
+                buffers[b.id] = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+        bind(self.plan, self.kernels, buffers, scalars)()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _load_tuned(entry: dict):
+    from kernelsearch.harness.plan import PlanInvalid
+    from kernelsearch.harness.source import SourceError
+    from kernelsearch.specs import get_spec
+
     source = entry.get("source") or {}
     try:
-        if "module" in source:
-            module = importlib.import_module(source["module"])
-            path = Path(module.__file__)
-        else:
-            path = Path(source["path"])
-            if entry.get("source_hash") and file_sha256(path) != entry["source_hash"]:
-                return None
-            name = f"hwtune_tuned_{entry.get('source_hash') or file_sha256(path)}"
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module  # triton's jit looks the module up while compiling
-            spec.loader.exec_module(module)
+        found = source_text(source)
+        if found is None or not entry.get("plan"):
+            return None
+        text, path = found
         if entry.get("source_hash") and file_sha256(path) != entry["source_hash"]:
             return None
-        return getattr(module, "launch", None)
-    except (ImportError, OSError, SyntaxError, KeyError, AttributeError):
+        return TunedKernel(entry, get_spec(entry["kernel"]), text)
+    except (ImportError, OSError, UnicodeDecodeError, KeyError, ValueError, TypeError, SourceError, PlanInvalid):
         return None
 
 

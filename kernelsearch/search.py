@@ -36,7 +36,8 @@ DEFAULT_NOISE_BAND = 0.02  # used when the harness could not measure one
 
 
 class SequentialExecutor:
-    """Runs jobs one after another; each `evaluate` call starts its own child process."""
+    """Runs jobs one after another in this process (the harness keeps one executor per device
+    and one session per candidate file between jobs)."""
 
     width = 1
 
@@ -57,6 +58,7 @@ class Outcome:
     reason: str
     flops: float = 0.0
     bytes: float = 0.0
+    plan: dict | None = None    # the launch plan verified at this shape (None when resumed)
 
     @property
     def time_ms(self) -> float:
@@ -131,22 +133,25 @@ def parse_budget(text) -> int:
     return BUDGETS[text] if text in BUDGETS else int(text)
 
 
-def template_candidate(kernel: str, source_path: Path | None = None):
-    """(SPACE, validity rule, Candidate factory) for the built-in template (or a given file)."""
+def template_candidate(kernel: str, source_path: Path | None = None, device: str = "cpu",
+                       shapes: list[dict] | None = None, dtype: str | None = None, timeout_s=None):
+    """(SPACE, validity rule, Candidate factory) for the built-in template (or a given file).
+    SPACE and CONFIGS come from the file's literals or from its sandboxed import (the harness's
+    Session): the file is never imported here."""
+    from kernelsearch.harness.verify import session
     from kernelsearch.kernels import TEMPLATES, template_path
 
     if source_path is None:
         source_path = template_path(kernel)
-        module = importlib.import_module(TEMPLATES[kernel])
         ref = {"module": TEMPLATES[kernel]}
     else:
         source_path = Path(source_path).resolve()
-        spec = importlib.util.spec_from_file_location(f"hwtune_search_{file_hash(source_path)}", source_path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
         ref = {"path": str(source_path)}
-    space = dict(getattr(module, "SPACE", {}) or {})
-    allowed = allowed_from_configs(getattr(module, "CONFIGS", None))
+    s = session(kernel, source_path, device, shapes, dtype, timeout_s)
+    s.prepare()
+    s.warm()  # every CONFIGS entry's kernels start compiling in parallel (CUDA)
+    space = dict(s.space or {})
+    allowed = allowed_from_configs(s.configs)
     digest = file_hash(source_path)
 
     def make(params: dict) -> Candidate:
@@ -236,7 +241,8 @@ class Loop:
                       and math.isfinite(sr.candidate_ms))
             out = Outcome(ok, sr.candidate_ms if sr else math.inf, sr.stock_ms if sr else math.inf,
                           sr.noise_band if sr else None, None if ok else (verdict.guard or "timing"),
-                          verdict.reason if not ok else "", sr.flops if sr else 0, sr.bytes if sr else 0)
+                          verdict.reason if not ok else "", sr.flops if sr else 0, sr.bytes if sr else 0,
+                          sr.plan if (sr and ok) else None)
             self.memo[cand.ident][sk] = out
             dtype = sr.dtype if sr else self._dtype_of(shape)
             self.dtypes[sk] = dtype
@@ -322,7 +328,8 @@ class Loop:
                 rep.best = {"params": cand.params, "source": cand.source_ref,
                             "source_hash": cand.source_hash, "candidate_ms": best_out.candidate_ms,
                             "stock_ms": _json_float(best_out.stock_ms),
-                            "noise_band": _json_float(best_out.noise_band)}
+                            "noise_band": _json_float(best_out.noise_band), "plan": best_out.plan,
+                            "source_path": str(cand.source_path)}
             if ceilings and (flops or bytes_):
                 time_ms = rep.best["candidate_ms"] if rep.kept else rep.stock_ms
                 rep.bound, rep.pct_of_ceiling = classify(flops, bytes_, time_ms, ceilings)
@@ -332,16 +339,16 @@ class Loop:
 
 
 def write_dispatch(path: Path, kernel: str, fingerprint: dict, fingerprint_id: str,
-                   reports: list[ShapeReport]) -> Path:
+                   reports: list[ShapeReport], device: str = "cpu") -> Path:
     """Merge this run's winners into the device's table: this kernel's swept shapes are replaced."""
     from kernelsearch.dispatch import DispatchTable
 
     with DispatchTable.updating(path) as table:
-        return _merge_winners(table, kernel, fingerprint, fingerprint_id, reports).save(path)
+        return _merge_winners(table, kernel, fingerprint, fingerprint_id, reports, device).save(path)
 
 
 def _merge_winners(table, kernel: str, fingerprint: dict, fingerprint_id: str,
-                   reports: list[ShapeReport]):
+                   reports: list[ShapeReport], device: str = "cpu"):
     import torch
     import triton
 
@@ -355,7 +362,15 @@ def _merge_winners(table, kernel: str, fingerprint: dict, fingerprint_id: str,
     for r in reports:
         if r.kept:
             b = r.best
+            plan = b.get("plan")
+            if plan is None:  # resumed from the ledger: the same (pure) launch() plans it again
+                from kernelsearch.harness.verify import make_plan
+
+                plan = make_plan(kernel, b["source_path"], r.shape, r.dtype, b["params"], device)
+            if plan is None:
+                continue
             table.entries.append({
+                "plan": plan,
                 "kernel": kernel, "dtype": r.dtype,
                 "shape": {k: v for k, v in r.shape.items() if k != "dtype"},
                 "source": b["source"], "source_hash": b["source_hash"], "params": b["params"],
@@ -391,7 +406,7 @@ def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device:
                 executor=executor or SequentialExecutor(), fingerprint=fp, fingerprint_id=fp_id,
                 strategy=strategy, resume=resume, timeout_s=timeout_s, progress=progress)
     try:
-        space, allowed, make = template_candidate(kernel, source_path)
+        space, allowed, make = template_candidate(kernel, source_path, device, shapes, dtype, timeout_s)
         if strategy == "agent":
             from kernelsearch.agent import agent_rounds
 
@@ -411,7 +426,7 @@ def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device:
         from kernelsearch.dispatch import table_path
 
         out = Path(dispatch_path) if dispatch_path else table_path(state_dir, fp_id)
-        written = write_dispatch(out, kernel, fp, fp_id, reports)
+        written = write_dispatch(out, kernel, fp, fp_id, reports, device)
     finally:
         ledger.close()
     return SearchResult(kernel, device, strategy, fp_id, loop.run_id, reports, loop.evaluations,

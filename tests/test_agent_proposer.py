@@ -133,6 +133,33 @@ def test_agent_that_writes_nothing_or_cannot_start_is_a_verdict(tmp_path):
     assert broken.status == "failed" and "cannot start" in broken.reason
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the agent as nobody")
+@pytest.mark.parametrize("exit_code", [1, 0])
+def test_agent_links_to_root_only_files_are_never_followed(tmp_path, exit_code):
+    """The agent user points agent.log and candidate.py at a file only root can read: root
+    neither echoes it (log tail on failure) nor copies it (candidate on success)."""
+    import shutil
+    import tempfile
+
+    secret = tmp_path / "root-secret.txt"
+    secret.write_text("TOP-SECRET-LINE\n")
+    os.chmod(secret, 0o600)
+    work = Path(tempfile.mkdtemp(prefix="hwtune-agent-test-", dir="/tmp"))
+    try:
+        os.chmod(work, 0o755)
+        script = (f"echo ordinary agent output; rm -f agent.log; ln -s {secret} agent.log; "
+                  f"ln -s {secret} candidate.py; exit {exit_code}")
+        outcome = run_agent(AgentConfig(argv=["/bin/sh", "-c", script], timeout_s=60, user="nobody"), work)
+        assert "TOP-SECRET" not in outcome.reason and b"TOP-SECRET" not in outcome.data
+        assert outcome.status == "failed"
+        if exit_code:
+            assert "ordinary agent output" in outcome.reason
+        else:
+            assert "refused" in outcome.reason and "link" in outcome.reason
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def test_agent_user_is_dropped_to_only_when_running_as_root(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert _demote("nobody") is None

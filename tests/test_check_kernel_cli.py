@@ -20,6 +20,9 @@ def test_honest_candidate_is_accepted_over_the_whole_cpu_sweep(kernel):
     assert doc["accepted"] and doc["guard"] is None
     assert len(doc["shapes"]) >= 4 and all(s["status"] == "ok" for s in doc["shapes"])
     assert any(s["dtype"] == "bfloat16" for s in doc["shapes"])
+    # besides the published sweep, one shape drawn at random (checked, not timed)
+    assert [s["random"] for s in doc["shapes"]].count(True) == 1
+    assert doc["isolation"], "the sandbox says how it ran launch()"
 
 
 def test_json_document_carries_per_shape_timing_and_noise_band():
@@ -27,6 +30,9 @@ def test_json_document_carries_per_shape_timing_and_noise_band():
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     for s in doc["shapes"]:
+        if s["random"]:
+            assert s["candidate_ms"] is None and s["status"] == "ok"
+            continue
         assert s["candidate_ms"] > 0 and s["stock_ms"] > 0 and s["noise_band"] is not None
         assert s["speedup"] > 0 and s["flops"] > 0 and s["bytes"] > 0
         assert s["timing"].startswith("cpu_interpreter")

@@ -1,6 +1,7 @@
 """Dispatch uses a tuned kernel only on its own device and shapes; everything else goes to stock.
 
-The tuned path really runs a Triton kernel, under the interpreter in a child process.
+The tuned path really runs a Triton kernel, under the interpreter in a child process: the
+launch plan the harness made in its sandbox, never the file's Python.
 """
 import json
 import subprocess
@@ -18,8 +19,6 @@ TUNED_RMSNORM = textwrap.dedent('''
     import triton
     import triton.language as tl
 
-    CALLS = []
-
     @triton.jit
     def _rmsnorm(x_ptr, w_ptr, out_ptr, N, eps, BLOCK_N: tl.constexpr):
         row = tl.program_id(0)
@@ -31,7 +30,6 @@ TUNED_RMSNORM = textwrap.dedent('''
         tl.store(out_ptr + row * N + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
 
     def launch(x, weight, eps, out, BLOCK_N=128):
-        CALLS.append(BLOCK_N)
         _rmsnorm[(x.shape[0],)](x, weight, out, x.shape[1], eps, BLOCK_N=BLOCK_N)
 ''')
 
@@ -49,8 +47,9 @@ CHILD = textwrap.dedent('''
         ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
         report[f"{m}x{n}"] = {"why": why, "params": params,
                               "err": float((out - ref).abs().max())}
-    mods = [m for name, m in sys.modules.items() if name.startswith("hwtune_tuned_")]
-    report["tuned_calls"] = sum(len(m.CALLS) for m in mods)
+    report["tuned_calls"] = table.counts.get(("rmsnorm", "tuned"), 0)
+    report["launch_defined"] = any("launch" in vars(m) for name, m in sys.modules.items()
+                                   if name.startswith("hwtune_kernels_"))
     print(json.dumps(report))
 ''')
 
@@ -61,16 +60,25 @@ def cpu_fingerprint(monkeypatch):
     return collect("cpu")
 
 
-def _table(tmp_path, fp, source_hash=None):
+def _table(tmp_path, fp, source_hash=None, plan_edit=None):
+    from kernelsearch.harness.verify import make_plan
+
     src = tmp_path / "tuned_rmsnorm.py"
     src.write_text(TUNED_RMSNORM)
     entry = {"kernel": "rmsnorm", "dtype": "float32", "source": {"path": str(src)},
              "source_hash": source_hash or file_sha256(src), "candidate_ms": 0.01,
              "stock_ms": 0.02, "speedup": 2.0}
+    plans = {}
+    for m, block in ((4, 128), (9, 256)):
+        plans[m] = make_plan("rmsnorm", src, {"M": m, "N": 100}, "float32", {"BLOCK_N": block}, "cpu")
+        assert plans[m] and plans[m]["steps"][0]["kernel"] == "_rmsnorm"
+    if plan_edit:
+        plan_edit(plans[4])
     table = DispatchTable({"format": 1, "fingerprint_id": fingerprint_id(fp), "fingerprint": fp,
-                           "entries": [dict(entry, shape={"M": 4, "N": 100}, params={"BLOCK_N": 128}),
-                                       dict(entry, shape={"M": 8, "N": 100}, range={"M": [5, 16]},
-                                            params={"BLOCK_N": 256})]})
+                           "entries": [dict(entry, shape={"M": 4, "N": 100}, params={"BLOCK_N": 128},
+                                            plan=plans[4]),
+                                       dict(entry, shape={"M": 9, "N": 100}, params={"BLOCK_N": 256},
+                                            plan=plans[9])]})
     return table.save(tmp_path / "dispatch" / f"{fingerprint_id(fp)}.json")
 
 
@@ -82,26 +90,35 @@ def _run_child(table_path):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_tuned_kernel_runs_on_matching_shape_and_stock_elsewhere(tmp_path, cpu_fingerprint):
+def test_tuned_kernel_runs_its_verified_plan_on_matching_shapes_and_stock_elsewhere(tmp_path, cpu_fingerprint):
     report = _run_child(_table(tmp_path, cpu_fingerprint))
     assert report["4x100"]["why"] == "tuned" and report["4x100"]["params"] == {"BLOCK_N": 128}
-    assert report["9x100"]["why"] == "tuned" and report["9x100"]["params"] == {"BLOCK_N": 256}  # range
+    assert report["9x100"]["why"] == "tuned" and report["9x100"]["params"] == {"BLOCK_N": 256}
     assert report["4x128"]["why"] == "no entry for shape"
-    assert report["40x100"]["why"] == "no entry for shape"    # outside the range
+    assert report["40x100"]["why"] == "no entry for shape"
     assert report["tuned_calls"] == 2
-    assert all(r["err"] < 1e-4 for k, r in report.items() if k != "tuned_calls")
+    assert report["launch_defined"] is False   # only the checked kernels were compiled
+    assert all(r["err"] < 1e-4 for k, r in report.items() if isinstance(r, dict))
+
+
+def test_a_tampered_plan_in_the_table_falls_back_to_stock(tmp_path, cpu_fingerprint):
+    def tamper(plan):
+        plan["steps"][0]["kernel"] = "print"
+    report = _run_child(_table(tmp_path, cpu_fingerprint, plan_edit=tamper))
+    assert report["4x100"]["why"].startswith("tuned source missing, changed or without a valid plan")
+    assert report["9x100"]["why"] == "tuned"
 
 
 def test_table_from_another_device_falls_back_to_stock(tmp_path, cpu_fingerprint):
     other = dict(cpu_fingerprint, cpu="some other CPU")
     report = _run_child(_table(tmp_path, other))
-    assert {r["why"] for k, r in report.items() if k != "tuned_calls"} == {"fingerprint mismatch"}
+    assert {r["why"] for k, r in report.items() if isinstance(r, dict)} == {"fingerprint mismatch"}
     assert report["tuned_calls"] == 0
 
 
 def test_changed_tuned_source_falls_back_to_stock(tmp_path, cpu_fingerprint):
     report = _run_child(_table(tmp_path, cpu_fingerprint, source_hash="0" * 16))
-    assert report["4x100"]["why"] == "tuned source missing or changed"
+    assert report["4x100"]["why"].startswith("tuned source missing, changed")
     assert report["tuned_calls"] == 0
 
 

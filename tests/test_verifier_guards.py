@@ -1,281 +1,424 @@
-"""Every verifier guard, fed the hack it stops (CPU: Triton interpreter in the child).
+"""The verifier against hostile candidates (CPU: Triton interpreter in the trusted executor).
 
-Guard numbers follow issue 3 / kernelsearch.harness's docstring. Each hack lives in
-tests/candidates/hack_*.py; the honest candidates must pass (tests/test_check_kernel_cli.py
-runs them through the CLI).
+The property under test: the process that makes inputs, poisons outputs, runs kernels,
+compares and times never imports or executes a candidate's Python. Each hack lives in
+tests/candidates/hack_*.py (one attack class of the verifier issue each); honest candidates
+must pass (tests/test_check_kernel_cli.py runs every spec's through the CLI). Tests named
+`test_jail_*` feed the sandbox directly with code the static check would refuse, to prove the
+sandbox holds on its own.
 """
 import json
 import math
 import os
+import socket
+import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from kernelsearch.harness import Verdict, evaluate, keep, noise_band
-from kernelsearch.harness import sandbox, static_check, tensor_io
-from kernelsearch.harness.runner import ChildFailure, ChildProcess
+from kernelsearch.harness import plan as plan_mod
+from kernelsearch.harness.plan_client import device_info, request_plans
+from kernelsearch.harness.source import KernelSource, SourceError, load_kernels, private_dir
+from kernelsearch.specs import SPECS
 
 CANDIDATES = Path(__file__).parent / "candidates"
 SMALL = [{"M": 5, "N": 1000}]
+ROOT_ONLY = os.geteuid() == 0
 
 
 def check(name, kernel="rmsnorm", shapes=SMALL, time_it=False, **kw) -> Verdict:
-    return evaluate(kernel, CANDIDATES / f"{name}.py", device="cpu", shapes=shapes, time_it=time_it, **kw)
+    return evaluate(kernel, CANDIDATES / f"{name}.py", device="cpu", shapes=shapes, time_it=time_it,
+                    fresh=True, **kw)
 
 
-def rejected(v: Verdict, guard: str) -> None:
+def rejected(v: Verdict, guard: str, *words: str) -> None:
     assert not v.accepted, v
     assert v.guard == guard, f"expected guard {guard}, got {v.guard}: {v.reason}"
+    for w in words:
+        assert w in v.reason, (w, v.reason)
 
 
-# -- 1: child process, hard timeout, crash / exception / OOM are verdicts -----------------
-def test_guard1_hanging_candidate_is_killed_at_the_timeout():
-    v = check("hack_hang", timeout_s=5)
-    rejected(v, "timeout")
-    assert "SIGKILL" in v.reason
+# --- crash, hang, exception are verdicts ------------------------------------------------------
+def test_hanging_host_code_is_killed_at_the_timeout():
+    started = time.monotonic()
+    rejected(check("hack_hang", timeout_s=3), "timeout", "killed")
+    assert time.monotonic() - started < 30
 
 
-def test_guard1_segfaulting_kernel_is_a_crash_verdict_not_a_harness_failure():
-    v = check("hack_segfault")
-    rejected(v, "crash")
-    assert "SIGSEGV" in v.reason
-    # the harness survives and goes on to the next candidate
-    assert check("honest_rmsnorm").accepted
+def test_kernel_reading_wild_addresses_is_stopped_by_the_interpreter_bounds_check():
+    rejected(check("hack_segfault"), "out_of_bounds", "outside the kernel's buffers")
+    assert check("honest_rmsnorm").accepted  # the harness goes on to the next candidate
 
 
-def test_guard1_exception_and_memory_error_become_verdicts():
-    v = check("hack_exception")
-    rejected(v, "exception")
-    assert "blew up on purpose" in v.reason
-    rejected(check("hack_oom"), "out_of_memory")
+def test_exception_and_memory_error_in_launch_become_verdicts():
+    rejected(check("hack_exception"), "exception", "blew up on purpose")
+    rejected(check("hack_oom"), "exception", "MemoryError")
 
 
-def test_guard1_child_that_exits_without_answering_is_a_crash(tmp_path):
-    child = ChildProcess("cpu", str(tmp_path))
-    try:
-        with pytest.raises(ChildFailure) as info:
-            child.request({"op": "load", "kernel": "rmsnorm",
-                           "source_path": str(CANDIDATES / "hack_exit_at_import.py")}, 300)
-    finally:
-        child.close()
-    assert info.value.guard == "crash" and "exited with code 3" in info.value.reason
+# --- forging the reply --------------------------------------------------------------------------
+def test_a_forged_verdict_printed_by_launch_changes_nothing():
+    rejected(check("hack_forge_reply"), "unwritten_output", "poison")
 
 
-# -- 2: fresh inputs per trial --------------------------------------------------------
-def test_guard2_memoizing_candidate_fails_on_the_second_fresh_draw():
-    v = check("hack_memoize")
-    rejected(v, "correctness")
-    assert "trial 2" in v.reason
+@pytest.mark.parametrize("bad, guard", [
+    ({"buffers": {}, "steps": [{"op": "launch", "kernel": "print", "grid": [1], "args": {}, "options": {}}]}, "plan"),
+    ({"buffers": {}, "steps": []}, "not_triton"),
+    ({"buffers": {"w1": {"nbytes": 1 << 40, "dtype": "uint8", "init": "empty", "persistent": False}},
+      "steps": []}, "plan"),
+    ({"buffers": {"p1": {"nbytes": 64, "dtype": "uint8", "init": "empty", "persistent": True}},
+      "steps": []}, "workspace_state"),
+    ({"buffers": {}, "steps": [{"op": "zero", "ref": {"buf": "x", "offset": 0, "dtype": "uint8"},
+                                "nbytes": 4}]}, "input_mutated"),
+])
+def test_a_forged_or_broken_plan_is_refused_before_anything_runs(bad, guard):
+    src = KernelSource.parse((CANDIDATES / "honest_rmsnorm.py").read_text())
+    with pytest.raises(plan_mod.PlanInvalid) as info:
+        plan_mod.validate(bad, kernels=src.kernels, roles={"x": 20000, "weight": 4000, "out": 20000},
+                          inputs={"x", "weight"}, scalars={"eps"}, workspace_budget_bytes=1 << 30)
+    assert info.value.guard == guard
 
 
-# -- 3: reference and comparison live in the parent ----------------------------------
-def test_guard3_patching_comparison_functions_in_the_child_gains_nothing():
-    v = check("hack_patch_compare")
-    rejected(v, "correctness")
-    assert "relative L2 error 0.5" in v.reason
+def test_plan_arguments_are_checked_against_the_kernel_signature():
+    src = KernelSource.parse((CANDIDATES / "honest_rmsnorm.py").read_text())
+    ok = {"op": "launch", "kernel": "_rmsnorm_row", "grid": [5], "options": {"num_warps": 4},
+          "args": {"x_ptr": {"ref": {"buf": "x", "offset": 0, "dtype": "float32"}},
+                   "w_ptr": {"ref": {"buf": "weight", "offset": 0, "dtype": "float32"}},
+                   "out_ptr": {"ref": {"buf": "out", "offset": 0, "dtype": "float32"}},
+                   "n_cols": {"int": 1000}, "eps": {"scalar": ["arg", "eps"]}, "BLOCK_N": {"int": 1024}}}
+    roles = {"x": 20000, "weight": 4000, "out": 20000}
+
+    def attempt(step):
+        return plan_mod.validate({"buffers": {}, "steps": [step]}, kernels=src.kernels, roles=roles,
+                                 inputs={"x", "weight"}, scalars={"eps"}, workspace_budget_bytes=1 << 30)
+    assert attempt(ok).launches == 1
+    for change in ({"BLOCK_N": {"ref": {"buf": "x", "offset": 0, "dtype": "float32"}}},   # constexpr = buffer
+                   {"extra": {"int": 1}},                                                   # unknown parameter
+                   {"eps": {"scalar": ["arg", "seed"]}},                                    # unknown scalar
+                   {"eps": {"scalar": ["exec", ["const", 1.0]]}},                          # unknown operator
+                   {"x_ptr": {"ref": {"buf": "x", "offset": 3, "dtype": "float32"}}},     # misaligned view
+                   {"x_ptr": {"ref": {"buf": "elsewhere", "offset": 0, "dtype": "float32"}}}):
+        step = json.loads(json.dumps(ok))
+        step["args"].update(change)
+        with pytest.raises(plan_mod.PlanInvalid):
+            attempt(step)
+    for bad_opts in ({"num_warps": 3}, {"num_stages": 99}, {"pre_hook": 1}):
+        with pytest.raises(plan_mod.PlanInvalid):
+            attempt(dict(ok, options=bad_opts))
+    with pytest.raises(plan_mod.PlanInvalid):
+        attempt(dict(ok, grid=[1, 1, 1, 1]))
 
 
-# -- 4: outputs poisoned, every element checked --------------------------------------
-def test_guard4_partial_write_leaves_poison_and_is_rejected():
-    v = check("hack_partial_write")
-    rejected(v, "unwritten_output")
-    assert "1000 of 5000 elements" in v.reason
+# --- compute outside Triton, in or around a kernel body ----------------------------------------
+@pytest.mark.parametrize("name, words", [
+    ("hack_fake_jit", ["decorator jit is not triton.jit"]),
+    ("hack_numpy_in_kernel", ["name 'np' not allowed", ".data"]),
+    ("hack_torch_in_kernel", ["name 'torch' not allowed"]),
+    ("hack_handle_in_kernel", [".handle"]),
+    ("hack_tl_internals", ["tl.core.tensor"]),
+    ("hack_dunder_in_kernel", ["__globals__"]),
+    ("hack_import_by_string", ["__import__"]),
+    ("hack_thread_compute", ["import threading"]),
+    ("hack_setprofile", ["import sys"]),
+    ("hack_typing_sys", [".sys"]),
+])
+def test_compute_outside_triton_is_refused_by_the_allowlist(name, words):
+    rejected(check(name), "static", *words)
 
 
-# -- 5: inputs unchanged --------------------------------------------------------------
-def test_guard5_candidate_that_overwrites_its_input_is_rejected():
-    v = check("hack_mutate_input")
-    rejected(v, "input_mutated")
-    assert "x modified" in v.reason
+def test_torch_compute_in_launch_cannot_be_planned():
+    rejected(check("hack_torch_compute"), "plan", "mul_", "no torch compute")
+    rejected(check("hack_torch_matmul", kernel="matmul", shapes=[{"M": 1, "K": 8, "N": 8}]), "exception",
+             "matmul")
+    rejected(check("hack_no_launch"), "plan", "no torch compute")
 
 
-# -- 6: the whole sweep ---------------------------------------------------------------
-def test_guard6_candidate_right_only_for_small_rows_fails_on_the_wide_shape():
+@pytest.mark.parametrize("snippet", [
+    "import ctypes", "import subprocess", "import os", "import torch.nn.functional as F",
+    "from kernelsearch.harness import compare", "f = open('/etc/passwd')", "y = a @ b",
+    "torch.backends.cuda.matmul.allow_tf32 = True", "x.__class__", "class A: pass",
+    "import operator\nf = operator.attrgetter('cpu')", "print('hi')", "exec('1')",
+    "if __name__ == '__main__': pass", "import numpy", "from triton.runtime import interpreter",
+])
+def test_static_allowlist_refuses_host_escapes(snippet):
+    base = (CANDIDATES / "honest_rmsnorm.py").read_text()
+    with pytest.raises(SourceError):
+        KernelSource.parse(base + "\n" + snippet + "\n")
+
+
+def test_trusted_module_holds_only_the_checked_kernels_and_literals(tmp_path):
+    text = (Path(__file__).parents[1] / "kernelsearch" / "kernels" / "matmul.py").read_text()
+    src = KernelSource.parse(text)
+    generated = src.module_text()
+    for absent in ("def launch", "import torch", "def _valid", "CONFIGS", "_arrival_counters", "_cfg"):
+        assert absent not in generated, absent
+    kernels = load_kernels(src, private_dir())
+    assert set(kernels) == {"_tiled_kernel", "_splitk_kernel", "_splitk_reduce_kernel"}
+    module = __import__("sys").modules[f"hwtune_kernels_{src.sha256[:16]}"]
+    assert "launch" not in vars(module) and "torch" not in vars(module)
+    assert "open" not in module.__builtins__ and "__import__" not in module.__builtins__
+
+
+# --- patching what the harness relies on ---------------------------------------------------------
+@pytest.mark.parametrize("name", ["hack_patch_tensor_methods", "hack_patch_builtins",
+                                  "hack_replace_interpreter", "hack_setattr_patch",
+                                  "hack_patch_harness_clock", "hack_tf32_flag", "hack_pre_run_hook",
+                                  "hack_detect_harness", "hack_patch_timer", "hack_patch_compare"])
+def test_patching_the_harness_is_refused(name):
+    rejected(check(name), "static")
+
+
+@pytest.mark.parametrize("name", ["hack_rng_at_import", "hack_background_thread", "hack_flush_denormal"])
+def test_what_the_allowlist_lets_through_stays_in_the_sandbox(name):
+    """These only reach the stand-in torch of the sandbox, which has no such functions."""
+    v = check(name)
+    assert not v.accepted and v.guard == "exception", (v.guard, v.reason)
+
+
+# --- seeds, inputs, state ---------------------------------------------------------------------
+def test_host_code_sees_no_data():
+    rejected(check("hack_seed_hunt"), "plan", "tolist", "no data")
+    rejected(check("hack_gc_hunt"), "static", "import gc")
+
+
+def test_the_sandbox_request_holds_shapes_only(monkeypatch):
+    import subprocess
+
+    sent = {}
+    real = subprocess.Popen.communicate
+
+    def spy(self, input=None, timeout=None):
+        sent["request"] = json.loads(input)
+        return real(self, input, timeout)
+    monkeypatch.setattr(subprocess.Popen, "communicate", spy)
+    check("honest_rmsnorm")
+    req = sent["request"]
+    text = json.dumps(req)
+    assert "seed" not in text and "rep_seeds" not in text
+    tensors = [a for case in req["cases"] for a in case["args"] if a["kind"] == "tensor"]
+    assert tensors and all(set(a) == {"name", "kind", "shape", "strides", "dtype", "role"} for a in tensors)
+
+
+def test_memo_and_call_counters_are_not_functions_of_their_arguments():
+    rejected(check("hack_memoize"), "workspace_state", "not zero-initialised")
+    rejected(check("hack_noise"), "plan", "planned differently")
+    rejected(check("hack_call_counter"), "not_triton")
+
+
+def test_a_counter_kept_across_calls_to_skip_work_is_caught():
+    rejected(check("hack_skip_reps"), "workspace_state", "not left all-zero")
+
+
+def test_caching_per_input_object_gains_nothing():
+    """Every plan call gets new symbolic tensors: the id() cache never hits, the plan is the
+    honest computation plus a copy, and its time includes both."""
+    v = check("hack_cache_same_inputs", time_it=True)
+    assert v.accepted, v.reason
+    assert all(s.plan is not None and len(s.plan["steps"]) == 2 for s in v.shapes)
+
+
+def test_poison_sniffing_kernel_leaves_outputs_unwritten():
+    rejected(check("hack_sniff_poison"), "unwritten_output", "poison")
+
+
+def test_partial_write_is_caught_whatever_the_poison():
+    for _ in range(3):
+        rejected(check("hack_partial_write"), "unwritten_output", "1000 of 5000")
+
+
+def test_input_mutation_is_caught():
+    rejected(check("hack_mutate_input"), "input_mutated", "x modified")
+
+
+def test_write_past_the_output_is_out_of_bounds():
+    rejected(check("hack_oob_write"), "out_of_bounds", "past the end of out")
+
+
+def test_nondeterministic_kernel_is_rejected_even_within_tolerance():
+    rejected(check("hack_scratch_noise"), "nondeterministic", "differs between two runs")
+
+
+# --- specialising to the test -----------------------------------------------------------------
+def test_candidate_right_only_on_published_widths_fails_on_the_shape_drawn_at_random():
+    v = check("hack_published_only", shapes=SPECS["rmsnorm"].shapes("cpu"))
+    assert not v.accepted and "drawn at random" in v.reason, v.reason
+    assert all(s.status == "ok" for s in v.shapes if not s.random)
+
+
+def test_candidate_right_only_for_small_rows_fails_on_the_wide_shape():
     v = check("hack_small_only", shapes=[{"M": 1, "N": 128}, {"M": 4, "N": 3000}])
-    rejected(v, "correctness")
-    assert "N=3000" in v.reason
+    rejected(v, "correctness", "N=3000")
     assert v.shapes[0].status == "ok" and v.shapes[1].status == "rejected"
 
 
-# -- 7: must be Triton (static + launch counter + aten op recorder) -------------------
-def test_guard7_static_check_refuses_torch_matmul_and_host_escapes():
-    v = check("hack_torch_matmul", kernel="matmul", shapes=[{"M": 1, "K": 8, "N": 8}])
-    rejected(v, "static")
-    assert ".matmul" in v.reason
-    src = "import triton\n@triton.jit\ndef k(x):\n    pass\n"
-    for bad in ("import ctypes", "import subprocess", "import os", "import torch.nn.functional as F",
-                "from kernelsearch.harness import compare", "f = open('/etc/passwd')",
-                "y = a @ b", "torch.backends.cuda.matmul.allow_tf32 = True", "x.__class__"):
-        assert static_check.check_source(src + bad + "\n"), bad
-    assert static_check.check_source("import torch\ndef launch(x):\n    pass\n") == ["no @triton.jit kernel defined"]
-    assert static_check.check_source((CANDIDATES / "honest_matmul.py").read_text()) == []
+def test_hard_coded_eps_fails_because_eps_is_drawn_per_trial():
+    for _ in range(3):
+        rejected(check("hack_fixed_eps"), "correctness")
 
 
-def test_guard7_static_check_refuses_harness_detection_frames_and_attribute_access_by_string():
-    rejected(check("hack_detect_harness"), "static")     # honest only under the harness's module name
-    v = check("hack_patch_harness_clock")                 # operator.attrgetter("sys._getframe")
-    rejected(v, "static")
-    assert ".attrgetter" in v.reason
-    src = "import torch\nimport triton\n@triton.jit\ndef k(x):\n    pass\n"
-    for bad in ("if __name__ == 'hwtune_candidate': pass", "p = __file__", "argv = torch.sys.argv",
-                "torch.os.kill(1, 9)", "t = torch.threading.Thread", "from operator import attrgetter",
-                "import operator\nf = operator.methodcaller('cpu')", "g = torch.sys._getframe(1).f_globals",
-                "from typing import get_type_hints"):
-        assert static_check.check_source(src + bad + "\n"), bad
+def test_branching_on_a_scalar_argument_cannot_be_planned():
+    rejected(check("hack_branch_on_eps"), "plan", "scalar argument")
 
 
-def test_guard7_candidate_that_launches_no_triton_kernel_is_rejected():
-    rejected(check("hack_no_launch"), "not_triton")
+# --- process state, processes, files ------------------------------------------------------------
+@pytest.mark.parametrize("name, words", [
+    ("hack_backends_flag", [".backends"]), ("hack_switch_interval", ["import sys"]),
+    ("hack_putenv", ["import os"]), ("hack_detached_process", ["import os"]),
+    ("hack_write_outside", ["open"]),
+])
+def test_process_state_and_host_escapes_are_refused(name, words):
+    rejected(check(name), "static", *words)
 
 
-def test_guard7_torch_compute_op_during_launch_is_recorded_and_rejected():
-    v = check("hack_torch_compute")
-    rejected(v, "torch_compute")
-    assert "mul_" in v.reason
+HOSTILE_PREFIX = "import typing\n_os = typing.sys.modules['os']\n"   # what the static check refuses
 
 
-def test_guard7_torch_compute_in_a_pre_run_hook_of_the_kernel_is_rejected():
-    v = check("hack_pre_run_hook")
-    rejected(v, "torch_compute")
-    assert "pre-run hook" in v.reason
+def _jail(body: str, timeout_s=20, user="default"):
+    text = HOSTILE_PREFIX + (CANDIDATES / "honest_rmsnorm.py").read_text() + "\n" + body
+    return request_plans(text, SPECS["rmsnorm"], [({"M": 2, "N": 8}, "float32")], [{}], device_info("cpu"),
+                         timeout_s=timeout_s, user=user)
 
 
-# -- 8: the timed path is the checked path ---------------------------------------------
-def test_guard8_candidate_that_stops_working_after_three_calls_fails_in_the_timed_runs():
-    v = check("hack_call_counter", time_it=True)
-    rejected(v, "timed_path")
-    assert "timed runs" in v.reason
-
-
-def test_guard8_candidate_that_replays_a_result_cached_for_the_same_inputs_fails_in_the_timed_runs():
-    """Each check trial has new tensors, so caching by input object is right there; the timed
-    calls reuse the buffers, and get fresh values in them, so the cached copy is stale."""
-    v = check("hack_cache_same_inputs", time_it=True)
-    rejected(v, "timed_path")
-    assert "timed runs" in v.reason
-
-
-# -- 9: CUDA graph capture and replay (GPU only) ----------------------------------------
-@pytest.mark.gpu
-def test_guard9_device_sync_inside_launch_breaks_graph_capture():
-    v = evaluate("rmsnorm", CANDIDATES / "hack_sync_in_launch.py", device="cuda",
-                 shapes=[{"M": 64, "N": 4096}])
-    rejected(v, "cuda_graph")
-
-
-@pytest.mark.gpu
-def test_guard9_private_stream_candidate_is_caught_by_replayed_outputs():
-    v = evaluate("rmsnorm", CANDIDATES / "hack_private_stream.py", device="cuda",
-                 shapes=[{"M": 64, "N": 4096}])
-    rejected(v, "cuda_graph")
-
-
-@pytest.mark.gpu
-def test_guard9_graph_that_replays_an_output_saved_before_capture_is_caught_on_fresh_inputs():
-    v = evaluate("rmsnorm", CANDIDATES / "hack_capture_replay_cache.py", device="cuda",
-                 shapes=[{"M": 64, "N": 4096}])
-    rejected(v, "cuda_graph")
-    assert "timed runs" in v.reason
-
-
-@pytest.mark.gpu
-def test_guard9_honest_candidate_is_timed_by_graph_replay():
-    v = evaluate("rmsnorm", CANDIDATES / "honest_rmsnorm.py", device="cuda", shapes=[{"M": 4096, "N": 4096}])
-    assert v.accepted, v.reason
-    assert v.shapes[0].timing == "cuda_graph_replay" and math.isfinite(v.shapes[0].candidate_ms)
-
-
-# -- 10: same inputs, same result -----------------------------------------------------
-def test_guard10_nondeterministic_candidate_is_rejected_even_within_tolerance():
-    v = check("hack_noise")
-    rejected(v, "nondeterministic")
-
-
-# -- 11: global state -------------------------------------------------------------------
-def test_guard11_rng_drawn_at_import_is_rejected():
-    v = check("hack_rng_at_import")
-    rejected(v, "global_state")
-    assert "RNG" in v.reason and "at import" in v.reason
-
-
-def test_guard11_monkeypatched_timer_is_rejected():
-    v = check("hack_patch_timer")
-    rejected(v, "global_state")
-    assert "elapsed_time" in v.reason
-
-
-def test_guard11_work_left_running_in_a_thread_after_launch_returns_is_rejected():
-    v = check("hack_background_thread")
-    rejected(v, "global_state")
-    assert "live Python threads" in v.reason
-
-
-def test_guard11_state_snapshot_sees_the_timers_own_clock_replaced():
-    from kernelsearch.harness import timing
-
-    before = sandbox.snapshot_state()
-    saved = timing._perf_counter
-    timing._perf_counter = lambda: 0.0
+def _alive(pid: int) -> bool:
     try:
-        changes = " | ".join(sandbox.diff_state(before, sandbox.snapshot_state()))
-    finally:
-        timing._perf_counter = saved
-    assert "kernelsearch.harness.timing._perf_counter was replaced" in changes
-    assert sandbox.diff_state(before, sandbox.snapshot_state()) == []
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
-def test_guard11_flag_flip_at_import_is_refused_statically():
-    rejected(check("hack_tf32_flag"), "static")
+def test_jail_kills_and_reports_a_detached_process_left_behind(tmp_path):
+    pidfile = tmp_path / "pid"
+    os.chmod(tmp_path, 0o777)
+    reply = _jail(f"""
+_pr, _pw = _os.pipe()
+if _os.fork() == 0:
+    _os.setsid()
+    if _os.fork() == 0:
+        _os.write(_pw, str(_os.getpid()).encode())
+        while True:
+            pass
+    _os._exit(0)
+_os.wait()
+LEAK = _os.read(_pr, 20).decode()
+""")
+    assert reply["leftover"], reply
+    pid = reply["leftover"][0]["pid"]
+    time.sleep(0.2)
+    assert not _alive(pid), "the jail must kill what the candidate left behind"
+    v_reason = check("hack_detached_process").reason
+    assert "import os" in v_reason
 
 
-def _flip_every_listed_switch():
-    """Flip each switch guard 11 lists; returns the undo function."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_default_dtype(), torch.get_float32_matmul_precision(),
-             torch.get_rng_state(), torch.are_deterministic_algorithms_enabled())
-    torch.backends.cuda.matmul.allow_tf32 = not saved[0]
-    torch.backends.cudnn.allow_tf32 = not saved[1]
-    torch.set_default_dtype(torch.float64)
-    torch.set_float32_matmul_precision("medium" if saved[3] != "medium" else "highest")
-    torch.randn(3)
-    torch.use_deterministic_algorithms(not saved[5])
-    os.environ["HWTUNE_TEST_SNEAKY"] = "1"
+@pytest.mark.skipif(not ROOT_ONLY, reason="dropping to an unprivileged user needs root")
+def test_jail_runs_host_code_as_nobody_without_network_or_writable_files(tmp_path):
+    secret = tmp_path / "root-only.txt"
+    secret.write_text("secret")
+    os.chmod(secret, 0o600)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    outside = Path("/tmp") / f"hwtune-jail-probe-{os.getpid()}"
+    reply = _jail(f"""
+facts = [str(_os.getuid()), str(_os.getgid()), str(_os.getgroups())]
+try:
+    _os.open({str(secret)!r}, _os.O_RDONLY)
+    facts.append("read-secret")
+except OSError:
+    facts.append("no-secret")
+try:
+    fd = _os.open({str(outside)!r}, _os.O_WRONLY | _os.O_CREAT, 0o644)
+    _os.write(fd, b"x")
+    facts.append("wrote")
+except OSError:
+    facts.append("no-write")
+_socket = typing.sys.modules.get("socket")
+facts.append("socket-module" if _socket else "no-socket-module")
+raise RuntimeError("|".join(facts))
+""")
+    server.close()
+    assert not outside.exists(), "a write outside its directory must not reach the host"
+    reason = reply.get("reason", "")
+    if reply.get("guard") == "crash":  # SIGXFSZ: RLIMIT_FSIZE stopped the write
+        return
+    assert "65534" in reason and "no-secret" in reason, reason
+    assert "user nobody" in " ".join(reply.get("isolation") or ["user nobody"])
 
-    def undo():
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[0], saved[1]
-        torch.set_default_dtype(saved[2])
-        torch.set_float32_matmul_precision(saved[3])
-        torch.set_rng_state(saved[4])
-        torch.use_deterministic_algorithms(saved[5])
-        os.environ.pop("HWTUNE_TEST_SNEAKY", None)
-    return undo
 
-
-def test_guard11_state_snapshot_sees_each_listed_switch():
-    _flip_every_listed_switch()()  # first use of some setters makes torch set env vars lazily
-    before = sandbox.snapshot_state()
-    undo = _flip_every_listed_switch()
+@pytest.mark.skipif(not ROOT_ONLY, reason="network namespaces need root")
+def test_jail_has_no_network():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    reply = _jail(f"""
+try:
+    _socket = typing.sys.modules["importlib"].import_module("socket")
     try:
-        changes = " | ".join(sandbox.diff_state(before, sandbox.snapshot_state()))
-    finally:
-        undo()
-    for expected in ("cuda.matmul.allow_tf32", "cudnn.allow_tf32", "get_default_dtype",
-                     "get_float32_matmul_precision", "RNG", "deterministic", "HWTUNE_TEST_SNEAKY"):
-        assert expected in changes, (expected, changes)
-    assert sandbox.diff_state(before, sandbox.snapshot_state()) == []
+        _socket.create_connection(("127.0.0.1", {port}), timeout=2)
+        raise RuntimeError("connected")
+    except OSError as exc:
+        raise RuntimeError("connect-failed")
+except ImportError:
+    raise RuntimeError("import-failed")
+""")
+    try:
+        server.accept()
+        connected = True
+    except OSError:
+        connected = False
+    server.close()
+    assert not connected and "connected" not in reply.get("reason", "").replace("connect-failed", "")
+    assert "net" in reply.get("isolation", ["net"])
 
 
-# -- the rest of the contract ----------------------------------------------------------
+def test_jail_patching_its_stand_ins_only_breaks_its_own_plans():
+    reply = _jail("""
+import torch as _t
+_t.empty = lambda *a, **k: 42
+_t.zeros = _t.empty
+""")
+    assert reply["ok"]
+    # the honest launch() allocates nothing, so its plan still validates
+    src = KernelSource.parse((CANDIDATES / "honest_rmsnorm.py").read_text())
+    plan = plan_mod.validate(reply["plans"][0][0], kernels=src.kernels,
+                             roles={"x": 64, "weight": 32, "out": 64}, inputs={"x", "weight"},
+                             scalars={"eps"}, workspace_budget_bytes=1 << 30)
+    assert plan.launches == 1
+
+
+def test_jail_enforces_its_deadline_on_a_busy_loop():
+    started = time.monotonic()
+    reply = _jail("while True:\n    pass\n", timeout_s=2)
+    assert reply["guard"] == "timeout" and time.monotonic() - started < 15
+
+
+# --- the rest of the contract ------------------------------------------------------------------
 def test_honest_candidate_passes_every_guard_including_timed_runs():
     v = check("honest_rmsnorm", shapes=[{"M": 1, "N": 128}, {"M": 3, "N": 130, "dtype": "bfloat16"}],
               time_it=True)
     assert v.accepted, v.reason
     assert v.params == {"num_warps": 4}  # CONFIGS[0] when no params are given
-    for s in v.shapes:
+    timed = [s for s in v.shapes if not s.random]
+    assert len(timed) == 2 and len(v.shapes) == 3
+    for s in timed:
         assert s.status == "ok" and math.isfinite(s.candidate_ms) and math.isfinite(s.stock_ms)
-        assert s.flops > 0 and s.bytes > 0 and s.noise_band is not None
-    assert v.shapes[1].dtype == "bfloat16"
+        assert s.flops > 0 and s.bytes > 0 and s.noise_band is not None and s.plan is not None
+    assert timed[1].dtype == "bfloat16"
+    assert v.isolation
+
+
+def test_honest_template_with_a_persistent_zeroed_counter_is_accepted():
+    """matmul's split-K REDUCE=last keeps arrival counters across calls and resets them: allowed."""
+    template = Path(__file__).parents[1] / "kernelsearch" / "kernels" / "matmul.py"
+    params = {"variant": "splitk", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8,
+              "SPLIT_K": 4, "FMA": 0, "num_warps": 4, "num_stages": 2, "REDUCE": "last"}
+    v = evaluate("matmul", template, params=params, device="cpu",
+                 shapes=[{"M": 1, "K": 256, "N": 96}, {"M": 3, "K": 300, "N": 40}], time_it=True, fresh=True)
+    assert v.accepted, v.reason
+    assert any(b.startswith("p") for s in v.shapes for b in s.plan["buffers"])
 
 
 def test_verdict_round_trips_through_json_text():
@@ -292,9 +435,26 @@ def test_keep_requires_a_win_larger_than_the_noise_band():
     assert noise_band(1.0, 1.1) == pytest.approx(0.1)
 
 
-def test_digest_is_bitwise():
-    a = torch.randn(100)
-    b = a.clone()
-    assert tensor_io.digest(a) == tensor_io.digest(b)
-    b[37] = torch.nextafter(b[37], torch.tensor(1e9))
-    assert tensor_io.digest(a) != tensor_io.digest(b)
+# --- GPU (the H200) ------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hack_sync_in_launch", "hack_private_stream", "hack_capture_replay_cache"])
+def test_gpu_stream_and_capture_tricks_cannot_be_planned(name):
+    v = evaluate("rmsnorm", CANDIDATES / f"{name}.py", device="cuda", shapes=[{"M": 64, "N": 4096}], fresh=True)
+    assert not v.accepted and v.guard in ("exception", "plan"), (v.guard, v.reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, guard", [("hack_oob_write", "out_of_bounds"), ("hack_skip_reps", "workspace_state"),
+                                         ("hack_sniff_poison", "unwritten_output"),
+                                         ("hack_scratch_noise", "nondeterministic")])
+def test_gpu_kernel_attacks_are_caught(name, guard):
+    v = evaluate("rmsnorm", CANDIDATES / f"{name}.py", device="cuda", shapes=[{"M": 64, "N": 4096}], fresh=True)
+    rejected(v, guard)
+
+
+@pytest.mark.gpu
+def test_gpu_honest_candidate_is_timed_by_graph_replay():
+    v = evaluate("rmsnorm", CANDIDATES / "honest_rmsnorm.py", device="cuda", shapes=[{"M": 4096, "N": 4096}],
+                 fresh=True)
+    assert v.accepted, v.reason
+    assert v.shapes[0].timing == "cuda_graph_replay" and math.isfinite(v.shapes[0].candidate_ms)

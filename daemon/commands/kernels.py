@@ -24,7 +24,7 @@ def add_check_kernel_arguments(p) -> None:
                    help="launch parameters as a JSON object (default: the file's CONFIGS[0])")
     p.add_argument("--dtype", default=None, help="force one dtype for every shape (bfloat16, float16, float32)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help="hard limit per child request in seconds (default 120)")
+                   help="hard limit per harness request (the sandbox run, one shape) in seconds (default 120)")
     p.add_argument("--no-time", action="store_true", help="verify only; skip the timed runs")
 
 
@@ -40,8 +40,13 @@ def _print_table(verdict, out) -> None:
         err = "-" if s.error_rel_l2 is None else f"{s.error_rel_l2:.2e}"
         speed = "-" if s.speedup is None else f"{s.speedup:.2f}x"
         noise = "-" if s.noise_band is None or not math.isfinite(s.noise_band) else f"{100 * s.noise_band:.1f}%"
+        how = s.timing or s.status
+        if s.random:
+            how = f"{s.status}: drawn at random, checked (not timed)"
         print(f"{shape:<34} {s.dtype:<9} {err:>9} {_fmt_ms(s.candidate_ms):>10} {_fmt_ms(s.stock_ms):>10} "
-              f"{speed:>8} {noise:>7}  {s.timing or s.status}", file=out)
+              f"{speed:>8} {noise:>7}  {how}", file=out)
+    if verdict.isolation:
+        print(f"sandbox for launch(): {', '.join(verdict.isolation)}", file=out)
 
 
 def run_check_kernel(args, ctx) -> int:

@@ -1,25 +1,42 @@
 """The verifier and timer every caller uses. Read-only to every proposer.
 
-    from kernelsearch.harness import evaluate, Verdict
+    from kernelsearch.harness import evaluate, Session, Verdict
     v = evaluate("rmsnorm", "cand.py", device="cpu")   # -> Verdict (data, never raises)
     v.accepted, v.guard, v.reason, v.shapes[i].candidate_ms, Verdict.from_json(v.to_json())
 
-Guards (Verdict.guard names; the number is issue 3's list):
-  1  timeout, crash, exception, out_of_memory  child process per candidate, hard deadline, SIGKILL
-  2  fresh_inputs (and correctness on trial 2) new seed per trial from `secrets`, several distributions
-  3  (no name: patching the child gains nothing) reference and comparison in the parent
-  4  unwritten_output                          outputs poisoned with NaN before every call
-  5  input_mutated                             input digests before/after each call
-  6  correctness (on the shape named)          the whole sweep, large shapes included
-  7  static, not_triton, torch_compute         AST check; launch counter; aten op recorder
-  8  timed_path                                outputs of the timed runs are checked (CPU)
-  9  cuda_graph                                capture + replay timing; replayed outputs checked
-  10 nondeterministic                          same inputs twice: bitwise, or within 5% of tol
-  11 global_state                              torch flags, default dtype, RNG, env, patched functions
-  also: contract (no launch(), bad CONFIGS, unknown kernel), harness (child could not start)
-"""
-from kernelsearch.harness.timing import keep, noise_band
-from kernelsearch.harness.verdict import ShapeResult, Verdict
-from kernelsearch.harness.verify import evaluate
+Trust boundary: the process that makes inputs, poisons outputs, runs kernels, compares and
+times (executor.py) never imports or executes the candidate's Python. It compiles the file's
+@triton.jit kernels from source that passed an allowlist (source.py) and runs launch plans
+(plan.py) that the candidate's launch() produced in a sandbox (jail.py + planner.py: another
+process, unprivileged, no data) and that it validates itself.
 
-__all__ = ["evaluate", "Verdict", "ShapeResult", "keep", "noise_band"]
+Guards (Verdict.guard):
+  static          the AST allowlist (imports, top-level statements, kernel bodies, host code)
+  contract        unknown kernel, unreadable file, no launch(), bad CONFIGS, no GPU
+  plan            launch() did what a plan cannot hold (torch compute, data access, branching on
+                  a scalar argument), or an invalid plan (unknown kernel, bad args, too much memory)
+  not_triton      the plan launches no @triton.jit kernel
+  left_process    the host code left a process running (killed by the jail)
+  timeout, crash, exception, out_of_memory   sandbox or kernel; killed, restarted, a verdict
+  unwritten_output  outputs poisoned (NaN, huge, random) before every call
+  input_mutated   inputs compared bitwise after every call
+  out_of_bounds   canary zones around every buffer; interpreter loads/stores bounds-checked
+  workspace_state a buffer kept across calls not left all-zero (state carried between calls)
+  correctness     fp64 reference, the whole sweep + a shape drawn at random + scalars drawn per trial
+  nondeterministic  same inputs twice: bitwise, or within 5% of the tolerance
+  timed_path / cuda_graph   every timed call's outputs checked; capture failures
+  harness         the harness itself failed (not the candidate's fault)
+"""
+__all__ = ["evaluate", "Session", "Verdict", "ShapeResult", "keep", "noise_band"]
+
+_LAZY = {"evaluate": "verify", "Session": "verify", "Verdict": "verdict", "ShapeResult": "verdict",
+         "keep": "timing", "noise_band": "timing"}
+
+
+def __getattr__(name):
+    # Lazy: the dispatch runtime imports harness.source/plan/run_plan without the verifier.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"kernelsearch.harness.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'kernelsearch.harness' has no attribute {name!r}")

@@ -1,22 +1,27 @@
-"""Parent side of the candidate's child process (guard 1).
+"""Parent side of the trusted executor process (kernelsearch.harness.executor).
 
-One child per evaluation, in its own session so it can be killed as a group. Every request has
-a hard deadline; past it the child gets SIGKILL. A hang, a crash (segfault, os._exit, the OOM
+One executor per device per process, kept between evaluations (its CUDA context and compiled
+kernels are reused), started on first use and again after it dies. Every request has a hard
+deadline; past it the executor gets SIGKILL. A hang, a crash (an illegal address, the OOM
 killer) or garbage on the pipe becomes a ChildFailure carrying a verdict, never an exception
 that escapes the harness.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 300.0   # importing torch + triton (+ CUDA init) on a loaded host
 
 
 class ChildFailure(Exception):
@@ -25,10 +30,12 @@ class ChildFailure(Exception):
         self.guard, self.reason = guard, reason
 
 
-class ChildProcess:
-    def __init__(self, device: str, workdir: str):
-        self.workdir = workdir
-        self.stderr_path = os.path.join(workdir, "child-stderr.txt")
+class ExecutorProcess:
+    def __init__(self, device: str):
+        self.device = device
+        self.workdir = tempfile.mkdtemp(prefix="hwtune-executor-")
+        os.chmod(self.workdir, 0o700)
+        self.stderr_path = os.path.join(self.workdir, "stderr.txt")
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
         env = dict(os.environ)
@@ -37,17 +44,25 @@ class ChildProcess:
             env["TRITON_INTERPRET"] = "1"
         else:
             env.pop("TRITON_INTERPRET", None)
+        # Compiled kernels (and Triton's launcher .so) land in a directory only we can write.
+        env.setdefault("TRITON_CACHE_DIR", os.path.join(self.workdir, "triton-cache"))
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kernelsearch.harness.child", str(to_child_r),
+                [sys.executable, "-m", "kernelsearch.harness.executor", str(to_child_r),
                  str(from_child_w), device],
                 pass_fds=(to_child_r, from_child_w), env=env, cwd=str(REPO_ROOT),
                 stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True)
         os.close(to_child_r)
         os.close(from_child_w)
         self._buffer = b""
+        self.started = False
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def request(self, message: dict, timeout_s: float) -> dict:
+        if not self.started:
+            timeout_s = max(timeout_s, STARTUP_TIMEOUT_S)
         try:
             os.write(self._to_child, (json.dumps(message) + "\n").encode())
         except OSError:
@@ -58,7 +73,7 @@ class ChildProcess:
             if left <= 0:
                 self.kill()
                 raise ChildFailure("timeout", f"no answer to '{message.get('op')}' within {timeout_s:g} s "
-                                              "(killed with SIGKILL)")
+                                              "(the executor was killed with SIGKILL)")
             ready, _, _ = select.select([self._from_child], [], [], left)
             if not ready:
                 continue
@@ -67,11 +82,12 @@ class ChildProcess:
                 raise self._died()
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
+        self.started = True
         try:
             return json.loads(line)
         except ValueError:
             self.kill()
-            raise ChildFailure("crash", f"unreadable reply from the child: {line[:200]!r}") from None
+            raise ChildFailure("harness", f"unreadable reply from the executor: {line[:200]!r}") from None
 
     def _died(self) -> ChildFailure:
         try:
@@ -86,7 +102,7 @@ class ChildProcess:
                 how = f"killed by signal {-code}"
         else:
             how = f"exited with code {code}"
-        return ChildFailure("crash", f"candidate process {how}; stderr tail: {self.stderr_tail()}")
+        return ChildFailure("crash", f"the executor running the kernel {how}; stderr tail: {self.stderr_tail()}")
 
     def stderr_tail(self, limit: int = 600) -> str:
         try:
@@ -116,3 +132,35 @@ class ChildProcess:
                 os.close(fd)
             except OSError:
                 pass
+        import shutil
+
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+_executors: dict[str, ExecutorProcess] = {}
+_lock = threading.Lock()
+
+
+def executor(device: str) -> ExecutorProcess:
+    """This process's executor for `device`, started (again) when needed."""
+    with _lock:
+        ex = _executors.get(device)
+        if ex is None or not ex.alive():
+            if ex is not None:
+                ex.close()
+            ex = _executors[device] = ExecutorProcess(device)
+        return ex
+
+
+def discard(device: str) -> None:
+    """Kill and forget the executor (after a timeout or crash its state is unknown)."""
+    with _lock:
+        ex = _executors.pop(device, None)
+    if ex is not None:
+        ex.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    for device in list(_executors):
+        discard(device)

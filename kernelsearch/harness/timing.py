@@ -1,12 +1,12 @@
 """Honest timing. DO NOT CHANGE casually: this is the fixed metric of the inner loop.
 
 CUDA: warm-up (compilation, autotune caches and handles stay out of the numbers), then one
-CUDA graph holding `launches_per_replay` back-to-back calls (amortises launch gaps for
-microsecond kernels), timed by CUDA events around each replay. Between replays, outside the
-timed region: the inputs are refilled with a fresh draw (`refresh`: a kernel that replays a
-result saved while it was warmed up or captured, or cached by input, is wrong on them), the
-outputs are poisoned (NaN; guard 8 checks the last replay's outputs) and L2 is flushed by zeroing
-a buffer of twice the device's L2 size. Median of >= 20 replays, per call.
+CUDA graph holding `launches_per_replay` back-to-back calls, each on its own buffers
+(amortises launch gaps for microsecond kernels), timed by CUDA events around each replay.
+Between replays, outside the timed region: every call's inputs are refilled with a fresh draw
+and its outputs poisoned (`refresh`), L2 is flushed by zeroing a buffer of twice the device's
+L2 size, and after the replay every call's outputs are checked (`check`). Median of >= 20
+replays, per call.
 
 CPU: the Triton interpreter; perf_counter around each call. Those numbers only keep the path
 exercised (labelled "cpu_interpreter (not a speed)").
@@ -89,18 +89,36 @@ def default_reps(device: str) -> int:
     return CUDA_REPS if str(device).startswith("cuda") else CPU_REPS
 
 
-def time_cpu(fn, poison=None, reps: int = CPU_REPS, refresh=None) -> Timing:
+def eager_ms(fn) -> float:
+    """One warm eager call, timed with CUDA events (sets how many calls a replay holds)."""
+    fn()
+    _synchronize()
+    start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+    _record(start)
+    fn()
+    _record(end)
+    _synchronize()
+    return max(_elapsed(start, end), 1e-3)
+
+
+def calls_per_replay(eager_call_ms: float, max_calls: int) -> int:
+    """So that one replay lasts about TARGET_REPLAY_MS: amortises launch gaps of microsecond
+    kernels, bounded by MAX_LAUNCHES_PER_REPLAY and by the memory the calls' buffers take."""
+    return max(1, min(MAX_LAUNCHES_PER_REPLAY, int(max_calls), int(TARGET_REPLAY_MS / eager_call_ms)))
+
+
+def time_cpu(fn, reps: int = CPU_REPS, refresh=None, check=None, calls: int = 1) -> Timing:
     fn()  # warm-up: the interpreter rewrites the kernel on first use
     times = []
     for i in range(reps):
         if refresh:
             refresh(i)
-        if poison:
-            poison()
         t0 = _perf_counter()
         fn()
-        times.append((_perf_counter() - t0) * 1e3)
-    return Timing(times, "cpu_interpreter (not a speed)", 1)
+        times.append((_perf_counter() - t0) * 1e3 / calls)
+        if check:
+            check(i)
+    return Timing(times, "cpu_interpreter (not a speed)", calls)
 
 
 _flush_buffers: dict = {}
@@ -115,49 +133,41 @@ def l2_flush_buffer(device) -> torch.Tensor:
     return _flush_buffers[index]
 
 
-def time_cuda(fn, device="cuda", poison=None, reps: int = CUDA_REPS, refresh=None) -> Timing:
-    """Graph-replay timing; raises CaptureError when fn cannot live in a CUDA graph."""
+def time_cuda(fn, device="cuda", reps: int = CUDA_REPS, refresh=None, check=None, calls: int = 1) -> Timing:
+    """Graph-replay timing of `fn` (which makes `calls` calls, each on its own buffers); raises
+    CaptureError when fn cannot live in a CUDA graph. Before each replay, outside the timed
+    region: `refresh(i)` (fresh inputs, poison) and an L2 flush; after it, `check(i)`."""
     flush = l2_flush_buffer(device)
     for _ in range(CUDA_WARMUP):
         fn()
     _synchronize()
-    start, end = _Event(enable_timing=True), _Event(enable_timing=True)
-    _record(start)
-    fn()
-    _record(end)
-    _synchronize()
-    eager_ms = max(_elapsed(start, end), 1e-3)
-    n = max(1, min(MAX_LAUNCHES_PER_REPLAY, int(TARGET_REPLAY_MS / eager_ms)))
-
     graph = _CUDAGraph()
     try:
         with _graph(graph):
-            for _ in range(n):
-                fn()
+            fn()
         graph.replay()
         _synchronize()
     except Exception as exc:
         raise CaptureError(f"{type(exc).__name__}: {exc}".strip()[:500]) from exc
-
-    starts = [_Event(enable_timing=True) for _ in range(reps)]
-    ends = [_Event(enable_timing=True) for _ in range(reps)]
+    times = []
+    start, end = _Event(enable_timing=True), _Event(enable_timing=True)
     for i in range(reps):
         if refresh:
             refresh(i)
-        if poison:
-            poison()
         flush.zero_()
-        _record(starts[i])
+        _record(start)
         graph.replay()
-        _record(ends[i])
-    _synchronize()
-    times = [_elapsed(s, e) / n for s, e in zip(starts, ends)]
+        _record(end)
+        _synchronize()
+        times.append(_elapsed(start, end) / calls)
+        if check:
+            check(i)
     del graph
-    return Timing(times, "cuda_graph_replay", n)
+    return Timing(times, "cuda_graph_replay", calls)
 
 
-def time_calls(fn, device: str, poison=None, reps: int | None = None, refresh=None) -> Timing:
-    """`refresh(i)`, when given, runs before rep i outside the timed region (new input values)."""
+def time_calls(fn, device: str, reps: int | None = None, refresh=None, check=None, calls: int = 1) -> Timing:
+    """`refresh(i)` runs before rep i and `check(i)` after it, both outside the timed region."""
     if str(device).startswith("cuda"):
-        return time_cuda(fn, device, poison, reps or CUDA_REPS, refresh)
-    return time_cpu(fn, poison, reps or CPU_REPS, refresh)
+        return time_cuda(fn, device, reps or CUDA_REPS, refresh, check, calls)
+    return time_cpu(fn, reps or CPU_REPS, refresh, check, calls)

@@ -23,7 +23,9 @@ class ShapeResult:
     flops: int = 0
     bytes: int = 0
     timing: str = ""                   # "cuda_graph_replay" | "cpu_interpreter (not a speed)"
-    launches_per_replay: int = 0
+    launches_per_replay: int = 0       # calls of launch() captured in one timed graph replay
+    random: bool = False               # drawn at random from the op's domain (checked, not timed)
+    plan: dict | None = None           # the launch plan verified at this shape (dispatch runs it)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -52,19 +54,22 @@ class Verdict:
     device: str = "cpu"
     params: dict = field(default_factory=dict)
     shapes: list[ShapeResult] = field(default_factory=list)
+    isolation: list = field(default_factory=list)   # how the sandbox ran the host code
 
     @property
     def time_ms(self) -> float:
         """Sum of the per-shape medians; inf unless accepted and every shape was timed."""
-        if not self.accepted or not self.shapes:
+        timed = [s for s in self.shapes if not s.random]
+        if not self.accepted or not timed:
             return math.inf
-        return sum(s.candidate_ms for s in self.shapes)
+        return sum(s.candidate_ms for s in timed)
 
     def to_json(self) -> dict:
         """JSON-ready dict (use json.dumps on it); `from_json` takes it back (or its text)."""
         return {"accepted": self.accepted, "guard": self.guard, "reason": self.reason,
                 "kernel": self.kernel, "source_path": self.source_path, "device": self.device,
-                "params": self.params, "shapes": [s.to_json() for s in self.shapes]}
+                "params": self.params, "shapes": [s.to_json() for s in self.shapes],
+                "isolation": self.isolation}
 
     @classmethod
     def from_json(cls, data) -> "Verdict":
@@ -74,4 +79,5 @@ class Verdict:
                    reason=data.get("reason", ""), kernel=data.get("kernel", ""),
                    source_path=data.get("source_path", ""), device=data.get("device", "cpu"),
                    params=dict(data.get("params") or {}),
-                   shapes=[ShapeResult.from_json(s) for s in data.get("shapes", [])])
+                   shapes=[ShapeResult.from_json(s) for s in data.get("shapes", [])],
+                   isolation=list(data.get("isolation") or []))

@@ -1,206 +1,307 @@
 """evaluate(): one candidate through every guard and the timed runs -> Verdict.
 
-Order per shape (the whole sweep, guard 6): two correctness trials on fresh inputs from
-different distributions (guard 2), the first repeated on the same inputs (guard 10); then the
-timed runs, on fresh inputs for every timed call, whose final outputs are checked too (guard 8;
-on CUDA they come from CUDA graph replays, guard 9). Each trial: child draws inputs from a
-one-time seed, poisons outputs (4), calls launch() under the op recorder and the launch counter
-(7), reports input digests (5) and global-state changes (11), and writes the outputs to files;
-the parent draws the same inputs, computes the fp64 reference and compares (3). The first
-failure rejects.
+    static check (source.py)    the file's AST against the allowlist; nothing is imported
+    plans (plan_client/jail)    launch() runs in the sandbox on symbolic tensors: one launch
+                                plan per (shape, params), all CONFIGS in one sandbox run
+    executor (executor.py)      validates each plan, runs it on fresh inputs, poisoned
+                                outputs and canaried buffers, compares with the fp64
+                                reference, checks determinism, times by CUDA graph replay
+
+Per shape of the published sweep, plus one shape drawn at random from the op's domain
+(checked, not timed): two trials on fresh inputs from different distributions and fresh
+scalar arguments, the first repeated; then the timed runs, every replay checked. The first
+failure rejects. Stock is timed as a user calls it (spec.stock_call) in the same executor, and
+cached per (kernel, shape, dtype, device) for the process.
+
+`Session` keeps one file's plans and the executor between evaluations (the search uses it);
+`evaluate()` is one session, one evaluation.
 """
 from __future__ import annotations
 
 import math
+import random
 import secrets
-import shutil
 from pathlib import Path
 
-import torch
-
-from kernelsearch.harness import compare, static_check, tensor_io, timing
-from kernelsearch.harness.runner import ChildFailure, ChildProcess
+from kernelsearch.harness import plan_client, runner
+from kernelsearch.harness.source import KernelSource, SourceError
 from kernelsearch.harness.verdict import ShapeResult, Verdict
 from kernelsearch.specs import SPECS, dtype_from_name
 
 DEFAULT_TIMEOUT_S = {"cpu": 120.0, "cuda": 120.0}
-STARTUP_TIMEOUT_S = 300.0   # importing torch + triton (+ CUDA init) on a loaded host
-DETERMINISM_BAND = 0.05     # run-to-run difference allowed, as a fraction of the tolerance
-STOCK_REPS_CPU = 5
+RANDOM_SHAPES = 1
 
-
-class Rejected(Exception):
-    def __init__(self, guard: str, reason: str):
-        super().__init__(f"{guard}: {reason}")
-        self.guard, self.reason = guard, reason
+_stock_cache: dict = {}
 
 
 def _device_kind(device: str) -> str:
     return "cuda" if str(device).startswith("cuda") else "cpu"
 
 
-def _seed() -> int:
-    return secrets.randbits(62)
+class Session:
+    """One candidate file on one device."""
+
+    def __init__(self, kernel: str, source_path, device: str = "cpu", shapes: list[dict] | None = None,
+                 dtype: str | None = None, timeout_s: float | None = None, sandbox_user="default"):
+        self.kernel, self.device, self.dtype = kernel, str(device), dtype
+        self.source_path = str(Path(source_path).resolve())
+        self.kind = _device_kind(self.device)
+        self.timeout_s = float(timeout_s or DEFAULT_TIMEOUT_S[self.kind])
+        self.sandbox_user = sandbox_user
+        self.failure: tuple[str, str] | None = None
+        self.spec = SPECS.get(kernel)
+        self.source: KernelSource | None = None
+        self.text = ""
+        self.plans: dict[str, list] = {}        # params key -> [raw plan per case]
+        self.configs: list | None = None
+        self.space: dict | None = None
+        self.isolation: list = []
+        self._described = False
+        if self.spec is None:
+            self.failure = ("contract", f"unknown kernel {kernel!r} (known: {', '.join(SPECS)})")
+            return
+        try:
+            raw = Path(self.source_path).read_bytes()
+            self.text = raw.decode("utf-8")
+        except OSError as exc:
+            self.failure = ("contract", f"cannot read {self.source_path}: {exc.strerror}")
+            return
+        except UnicodeDecodeError:
+            self.failure = ("static", "the file is not UTF-8 text")
+            return
+        try:
+            self.source = KernelSource.parse(self.text, self.source_path)
+        except SourceError as exc:
+            self.failure = ("static", "; ".join(exc.problems[:6]))
+            return
+        self.configs, self.space = self.source.configs, self.source.space
+        if self.kind == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                self.failure = ("contract", "--device cuda but torch sees no CUDA device")
+                return
+        sweep = list(shapes) if shapes is not None else self.spec.shapes(self.kind)
+        rng = random.Random(secrets.randbits(64))
+        published = {tuple(sorted((k, v) for k, v in s.items() if k != "dtype")) for s in self.spec.shapes(self.kind)}
+        extra = []
+        while len(extra) < RANDOM_SHAPES:
+            s = self.spec.random_shape(rng, self.kind)
+            if tuple(sorted(s.items())) not in published and self.spec.valid_shape(s) is None:
+                extra.append(s)
+        self.cases = [(dict(s), False) for s in sweep] + [(s, True) for s in extra]
+
+    def _dtype_of(self, shape: dict) -> str:
+        # an explicit dtype, else the shape's pinned one, else the primary
+        name = self.dtype or shape.get("dtype") or self.spec.primary_dtype(self.kind)
+        return str(dtype_from_name(name)).removeprefix("torch.")
+
+    @staticmethod
+    def _key(params: dict) -> str:
+        import json
+
+        return json.dumps(params, sort_keys=True)
+
+    def prepare(self, params_list: list[dict] | None = None) -> None:
+        """Plans for these params and every CONFIGS entry, in one sandbox run (the first call);
+        later calls plan only params not seen yet."""
+        if self.failure:
+            return
+        todo = [p for p in (params_list or []) if self._key(p) not in self.plans]
+        if self._described and not todo:
+            return
+        cases = [({k: v for k, v in s.items() if k != "dtype"}, self._dtype_of(s)) for s, _ in self.cases]
+        reply = plan_client.request_plans(self.text, self.spec, cases, todo,
+                                          plan_client.device_info(self.device),
+                                          all_configs=not self._described, user=self.sandbox_user,
+                                          timeout_s=min(self.timeout_s, plan_client.SANDBOX_TIMEOUT_S))
+        self.isolation = reply.get("isolation") or self.isolation
+        if reply.get("leftover"):
+            names = ", ".join(f"{p['comm']}[{p['pid']}]" for p in reply["leftover"][:5])
+            self.failure = ("left_process", f"the host code left process(es) running after launch(): {names} "
+                                            "(killed)")
+            return
+        if not reply.get("ok"):
+            self.failure = (reply.get("guard") or "exception", reply.get("reason", "sandbox failed"))
+            return
+        self._described = True
+        if self.configs is None:
+            self.configs = reply.get("configs")
+        if self.space is None:
+            self.space = reply.get("space")
+        for j, params in enumerate(reply.get("params") or []):
+            self.plans[self._key(params)] = [row[j] for row in reply["plans"]]
+
+    def warm(self, params_list: list[dict] | None = None) -> None:
+        """Start compiling every launch of these params' plans (default: all CONFIGS) in the
+        executor's compile workers, so evaluations that follow find their kernels built."""
+        if self.kind != "cuda":
+            return
+        self.prepare(params_list)
+        if self.failure:
+            return
+        keys = [self._key(p) for p in params_list] if params_list else list(self.plans)
+        cases = []
+        for key in keys:
+            for (shape, _), raw in zip(self.cases, self.plans.get(key, [])):
+                if "error" not in raw:
+                    dims = {k: v for k, v in shape.items() if k != "dtype"}
+                    cases.append({"shape": dims, "dtype": self._dtype_of(shape), "plan": raw})
+        try:
+            ex = runner.executor(self.device)
+            reply = ex.request({"op": "load", "source": self.text}, self.timeout_s)
+            if reply.get("ok"):
+                ex.request({"op": "warm", "sha": reply["sha"], "kernel": self.kernel, "cases": cases},
+                           self.timeout_s)
+        except runner.ChildFailure:
+            runner.discard(self.device)
+
+    def default_params(self) -> dict:
+        self.prepare()
+        return dict(self.configs[0]) if self.configs else {}
+
+    def evaluate(self, params: dict | None = None, time_it: bool = True,
+                 shapes: list[dict] | None = None) -> Verdict:
+        verdict = Verdict(accepted=False, kernel=self.kernel, source_path=self.source_path,
+                          device=self.device, params=dict(params or {}))
+        if self.failure is None and params is None:
+            params = self.default_params()
+            verdict.params = dict(params)
+        if self.failure is None:
+            self.prepare([params])
+            self.warm([params])
+        if self.failure is not None:
+            verdict.guard, verdict.reason = self.failure
+            return verdict
+        verdict.isolation = list(self.isolation)
+        plans = self.plans[self._key(params)]
+        wanted = None if shapes is None else {self._shape_key(s) for s in shapes}
+        try:
+            ex = runner.executor(self.device)
+            reply = ex.request({"op": "load", "source": self.text}, self.timeout_s)
+            if not reply.get("ok"):
+                verdict.guard, verdict.reason = reply.get("guard", "harness"), reply.get("reason", "")
+                return verdict
+            sha = reply["sha"]
+            for i, ((shape, is_random), raw_plan) in enumerate(zip(self.cases, plans)):
+                if wanted is not None and not is_random and self._shape_key(shape) not in wanted:
+                    continue
+                if not self._case(ex, sha, verdict, i, shape, is_random, raw_plan, time_it):
+                    break
+            else:
+                verdict.accepted = True
+        except runner.ChildFailure as exc:
+            runner.discard(self.device)
+            verdict.guard, verdict.reason = exc.guard, exc.reason
+        for result in verdict.shapes:
+            if result.status == "pending":
+                result.status = "rejected" if not verdict.accepted else "ok"
+        return verdict
+
+    @staticmethod
+    def _shape_key(shape: dict) -> tuple:
+        return tuple(sorted((k, v) for k, v in shape.items() if k != "dtype"))
+
+    def _case(self, ex, sha, verdict, i, shape, is_random, raw_plan, time_it) -> bool:
+        spec = self.spec
+        dims = {k: v for k, v in shape.items() if k != "dtype"}
+        dtype = self._dtype_of(shape)
+        dt = dtype_from_name(dtype)
+        result = ShapeResult(shape=dict(shape), dtype=dtype, flops=spec.flops(dims), bytes=spec.bytes(dims, dt),
+                             random=is_random, plan=None if "error" in raw_plan else raw_plan)
+        verdict.shapes.append(result)
+        label = f"shape {spec.describe(dims)} {dtype}" + (" (drawn at random)" if is_random else "")
+        if "error" in raw_plan:
+            verdict.guard = raw_plan.get("guard") if raw_plan.get("guard") in ("plan", "exception") else "plan"
+            verdict.reason = f"{label}: launch() while planning: {raw_plan['error']}"
+            result.status = "rejected"
+            return False
+        reply = ex.request({"op": "case", "sha": sha, "kernel": spec.name, "shape": dims, "dtype": dtype,
+                            "plan": raw_plan, "time": bool(time_it and not is_random), "dist_offset": i,
+                            "random": is_random},
+                           self.timeout_s)
+        if not reply.get("ok"):
+            verdict.guard, verdict.reason = reply.get("guard", "harness"), reply.get("reason", "")
+            result.status = "rejected"
+            if verdict.guard in ("crash",):
+                runner.discard(self.device)
+            return False
+        r = reply["result"]
+        result.error_rel_l2 = r.get("error_rel_l2")
+        result.launches_per_replay = int(r.get("launches_per_replay") or 0)
+        if time_it and not is_random:
+            result.candidate_ms = r["candidate_ms"]
+            result.candidate_p20_ms = r["candidate_p20_ms"]
+            result.candidate_p80_ms = r["candidate_p80_ms"]
+            result.timing = r["timing"]
+            result.stock_ms, result.noise_band = self._stock(ex, dims, dtype)
+            if math.isfinite(result.candidate_ms) and result.candidate_ms > 0 and math.isfinite(result.stock_ms):
+                result.speedup = result.stock_ms / result.candidate_ms
+        result.status = "ok"
+        return True
+
+    def _stock(self, ex, dims: dict, dtype: str) -> tuple[float, float]:
+        key = (self.spec.name, self._shape_key(dims), dtype, self.device)
+        if key not in _stock_cache:
+            reply = ex.request({"op": "stock", "kernel": self.spec.name, "shape": dims, "dtype": dtype},
+                               self.timeout_s)
+            if not reply.get("ok"):
+                return math.inf, math.inf
+            _stock_cache[key] = (reply["stock_ms"], reply["noise_band"])
+        return _stock_cache[key]
 
 
-def _draw(spec, shape, dtype, device, seed, dist):
-    g = torch.Generator(device=device).manual_seed(seed)
-    return spec.make_inputs(shape, dtype, device, g, dist)
+_sessions: dict = {}
+MAX_SESSIONS = 64
 
 
-def _judge_common(reply: dict, inputs: dict, where: str) -> None:
-    if not reply.get("ok"):
-        raise Rejected(reply.get("guard", "exception"), f"{where}: {reply.get('reason', '')}")
-    expected = {k: tensor_io.digest(v) for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    if reply["input_digests_before"] != expected:
-        raise Rejected("fresh_inputs", f"{where}: the inputs the candidate saw differ from the "
-                                       "harness's draw (input generation was tampered with)")
-    changed = [k for k, v in reply["input_digests_after"].items() if v != reply["input_digests_before"][k]]
-    if changed:
-        raise Rejected("input_mutated", f"{where}: input(s) {', '.join(changed)} modified by the call")
-    if reply.get("state_changes"):
-        raise Rejected("global_state", f"{where}: " + "; ".join(reply["state_changes"]))
+def session(kernel: str, source_path, device: str = "cpu", shapes: list[dict] | None = None,
+            dtype: str | None = None, timeout_s: float | None = None) -> Session:
+    """A cached Session for this file (same bytes), device, sweep and dtype: its plans (all
+    CONFIGS from one sandbox run) and its random shape serve every evaluation of the file."""
+    import hashlib
+    import json
 
-
-def _judge_outputs(spec, headers: dict, reference: dict, tol: float, device, where: str,
-                   guard_override: str | None = None) -> float:
-    worst = 0.0
-    for name in spec.out_names:
-        out = tensor_io.read_tensor(headers[name], device)
-        err, problem = compare.compare(name, out, reference[name], tol)
-        if problem:
-            guard = guard_override or problem.guard
-            raise Rejected(guard, f"{where}: {problem.reason}")
-        worst = max(worst, err)
-    return worst
-
-
-def _stock_timing(spec, shape, dtype, device, inputs) -> tuple[float, float]:
-    outputs = spec.make_outputs(shape, dtype, device)
-    fn = lambda: spec.stock(inputs, outputs)  # noqa: E731
-    reps = None if _device_kind(device) == "cuda" else STOCK_REPS_CPU
-    first = timing.time_calls(fn, device, reps=reps).median_ms
-    second = timing.time_calls(fn, device, reps=reps).median_ms
-    return (first + second) / 2, timing.noise_band(first, second)
+    try:
+        digest = hashlib.sha256(Path(source_path).read_bytes()).hexdigest()
+    except OSError:
+        digest = None
+    if shapes is None and kernel in SPECS:
+        shapes = SPECS[kernel].shapes(_device_kind(device))
+    key = json.dumps([kernel, str(Path(source_path).resolve()), digest, str(device), shapes, dtype,
+                      timeout_s], sort_keys=True, default=str)
+    s = _sessions.get(key)
+    if s is None or digest is None:
+        if len(_sessions) >= MAX_SESSIONS:
+            _sessions.pop(next(iter(_sessions)))
+        s = _sessions[key] = Session(kernel, source_path, device, shapes, dtype, timeout_s)
+    return s
 
 
 def evaluate(kernel: str, source_path, params: dict | None = None, device: str = "cpu",
              shapes: list[dict] | None = None, dtype: str | None = None,
-             timeout_s: float | None = None, time_it: bool = True) -> Verdict:
+             timeout_s: float | None = None, time_it: bool = True, fresh: bool = False) -> Verdict:
     """Run one candidate file through every guard (and the timed runs). Never raises for a bad
     candidate: the result is a Verdict. `params=None` uses the file's CONFIGS[0] (or {}).
-    `timeout_s` bounds each request to the child (one trial / one timing), not the whole sweep.
-    """
-    source_path = str(Path(source_path).resolve())
-    verdict = Verdict(accepted=False, kernel=kernel, source_path=source_path, device=str(device),
-                      params=dict(params or {}))
-    spec = SPECS.get(kernel)
-    if spec is None:
-        verdict.guard, verdict.reason = "contract", f"unknown kernel {kernel!r} (known: {', '.join(SPECS)})"
-        return verdict
-    try:
-        text = Path(source_path).read_text()
-    except OSError as exc:
-        verdict.guard, verdict.reason = "contract", f"cannot read {source_path}: {exc.strerror}"
-        return verdict
-    problems = static_check.check_source(text, source_path)
-    if problems:
-        verdict.guard, verdict.reason = "static", "; ".join(problems[:5])
-        return verdict
-    kind = _device_kind(device)
-    if kind == "cuda" and not torch.cuda.is_available():
-        verdict.guard, verdict.reason = "contract", "--device cuda but torch sees no CUDA device"
-        return verdict
-    shapes = list(shapes) if shapes is not None else spec.shapes(kind)
-    timeout_s = float(timeout_s or DEFAULT_TIMEOUT_S[kind])
-    workdir = tensor_io.private_dir()
-    child = ChildProcess(str(device), workdir)
-    try:
-        _evaluate(child, spec, verdict, params, str(device), shapes, dtype, timeout_s, time_it, workdir)
-        verdict.accepted = True
-    except Rejected as exc:
-        verdict.guard, verdict.reason = exc.guard, exc.reason
-    except ChildFailure as exc:
-        verdict.guard, verdict.reason = exc.guard, exc.reason
-    finally:
-        child.close()
-        shutil.rmtree(workdir, ignore_errors=True)
-    for result in verdict.shapes:
-        if result.status == "pending":
-            result.status = "rejected" if not verdict.accepted else "ok"
-    return verdict
+    `timeout_s` bounds each request (one sandbox run, one shape's checks and timing).
+    Evaluations of one file reuse its session (plans, random shape) unless `fresh`."""
+    s = Session(kernel, source_path, device, shapes, dtype, timeout_s) if fresh else \
+        session(kernel, source_path, device, shapes, dtype, timeout_s)
+    return s.evaluate(params, time_it)
 
 
-def _evaluate(child, spec, verdict, params, device, shapes, dtype, timeout_s, time_it, workdir):
-    reply = child.request({"op": "load", "kernel": spec.name, "source_path": verdict.source_path},
-                          max(timeout_s, STARTUP_TIMEOUT_S))
-    if not reply.get("ok"):
-        raise Rejected(reply.get("guard", "exception"), reply.get("reason", ""))
-    if params is None:
-        configs = reply.get("configs") or []
-        params = dict(configs[0]) if configs else {}
-    verdict.params = params
-    kind = _device_kind(device)
-    for i, shape in enumerate(shapes):
-        dt = dtype_from_name(dtype or shape.get("dtype") or spec.primary_dtype(kind))
-        shape_dims = {k: v for k, v in shape.items() if k != "dtype"}
-        result = ShapeResult(shape=dict(shape), dtype=str(dt).removeprefix("torch."),
-                             flops=spec.flops(shape_dims), bytes=spec.bytes(shape_dims, dt))
-        verdict.shapes.append(result)
-        tol = spec.tolerance(dt)
-        dists = spec.distributions_for(dt)
-        label = f"{spec.describe(shape_dims)} {result.dtype}"
-        for trial, dist in enumerate((dists[i % len(dists)], dists[(i + 1) % len(dists)])):
-            seed = _seed()
-            where = f"shape {label} trial {trial + 1} ({dist} inputs)"
-            reply = child.request({"op": "check", "shape": shape_dims, "dtype": result.dtype,
-                                   "seed": seed, "dist": dist, "params": params,
-                                   "repeat": trial == 0, "workdir": workdir, "tag": f"s{i}t{trial}"},
-                                  timeout_s)
-            inputs = _draw(spec, shape_dims, dt, device, seed, dist)
-            _judge_common(reply, inputs, where)
-            if reply["launches"] == 0:
-                raise Rejected("not_triton", f"{where}: launch() ran no @triton.jit kernel")
-            if reply["forbidden_ops"]:
-                raise Rejected("torch_compute", f"{where}: launch() dispatched torch compute op(s) "
-                                                f"{', '.join(reply['forbidden_ops'][:8])} outside Triton kernels")
-            reference = spec.reference(inputs)
-            err = _judge_outputs(spec, reply["outputs"], reference, tol, device, where)
-            result.error_rel_l2 = max(result.error_rel_l2 or 0.0, err)
-            if trial == 0 and not reply.get("repeat_identical", True):
-                band = DETERMINISM_BAND * tol
-                for name in spec.out_names:
-                    a = tensor_io.read_tensor(reply["outputs"][name], device)
-                    b = tensor_io.read_tensor(reply["repeat_outputs"][name], device)
-                    diff = compare.run_to_run_difference(a, b)
-                    if diff > band:
-                        raise Rejected("nondeterministic", f"{where}: {name} differs between two runs on the "
-                                                           f"same inputs by {diff:.3g} (band {band:.3g})")
-            del inputs, reference
-        if time_it:
-            # warm-up/capture inputs, then a fresh draw before every timed call; the last
-            # call's inputs are the ones its outputs are checked against
-            seed, dist = _seed(), dists[i % len(dists)]
-            rep_seeds = [_seed() for _ in range(timing.default_reps(device))]
-            where = f"shape {label} timed runs"
-            reply = child.request({"op": "time", "shape": shape_dims, "dtype": result.dtype,
-                                   "seed": seed, "rep_seeds": rep_seeds, "dist": dist,
-                                   "params": params, "workdir": workdir, "tag": f"s{i}"}, timeout_s)
-            inputs = _draw(spec, shape_dims, dt, device, rep_seeds[-1], dist)
-            _judge_common(reply, inputs, where)
-            reference = spec.reference(inputs)
-            # On CUDA the timed outputs come from graph replays: work outside the captured
-            # stream (a private stream) leaves them unwritten.
-            override = "cuda_graph" if kind == "cuda" else "timed_path"
-            _judge_outputs(spec, reply["outputs"], reference, tol, device, where, override)
-            del reference
-            result.candidate_ms = timing.percentile(reply["times_ms"], 50)
-            result.candidate_p20_ms = timing.percentile(reply["times_ms"], 20)
-            result.candidate_p80_ms = timing.percentile(reply["times_ms"], 80)
-            result.timing = reply["method"]
-            result.launches_per_replay = reply["launches_per_replay"]
-            result.stock_ms, result.noise_band = _stock_timing(spec, shape_dims, dt, device, inputs)
-            if math.isfinite(result.candidate_ms) and result.candidate_ms > 0:
-                result.speedup = result.stock_ms / result.candidate_ms
-            del inputs
-        result.status = "ok"
+def make_plan(kernel: str, source_path, shape: dict, dtype: str, params: dict, device: str) -> dict | None:
+    """The launch plan of `params` at one shape, from one sandbox run (None on any failure)."""
+    spec = SPECS[kernel]
+    try:
+        text = Path(source_path).read_bytes().decode("utf-8")
+        KernelSource.parse(text)
+    except (OSError, UnicodeDecodeError, SourceError):
+        return None
+    dims = {k: v for k, v in shape.items() if k != "dtype"}
+    reply = plan_client.request_plans(text, spec, [(dims, dtype)], [dict(params)],
+                                      plan_client.device_info(device))
+    if not reply.get("ok") or reply.get("leftover"):
+        return None
+    plan = reply["plans"][0][0]
+    return None if "error" in plan else plan

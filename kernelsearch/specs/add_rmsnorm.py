@@ -22,6 +22,19 @@ class AddRmsNormSpec(KernelSpec):
     def shapes(self, device: str) -> list[dict]:
         return RmsNormSpec().shapes(device)
 
+    scalar_ranges = {"eps": (1e-6, 1e-2)}
+
+    def input_meta(self, shape, dtype):
+        mn = (shape["M"], shape["N"])
+        return {"x": (mn, dtype), "residual": (mn, dtype), "weight": ((shape["N"],), dtype)}
+
+    def random_shape(self, rng, device):
+        return RmsNormSpec().random_shape(rng, device)
+
+    def stock_call(self, inputs):
+        r = inputs["x"] + inputs["residual"]  # rounded to the input dtype, as a model does
+        return {"out": rms_norm_native(r, inputs["weight"], inputs["eps"]), "residual_out": r}
+
     def make_inputs(self, shape, dtype, device, generator, dist):
         m, n = shape["M"], shape["N"]
         x = draw((m, n), dist, generator, device).to(dtype)

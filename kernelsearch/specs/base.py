@@ -123,6 +123,61 @@ class KernelSpec:
         """Positional arguments of the candidate's launch(), in contract order."""
         return [inputs[n] for n in self.arg_names] + [outputs[n] for n in self.out_names]
 
+    # --- what the harness needs besides data --------------------------------------------
+    # Contract scalars (eps, scale): drawn per trial from the op's valid range, so a kernel
+    # that ignores one (a hard-coded eps) fails. name -> (low, high), log-uniform.
+    scalar_ranges: dict[str, tuple[float, float]] = {}
+
+    def draw_scalars(self, rng, shape: dict) -> dict:
+        """One trial's scalar arguments (rng: random.Random the candidate never sees)."""
+        return {name: math.exp(rng.uniform(math.log(lo), math.log(hi)))
+                for name, (lo, hi) in self.scalar_ranges.items()}
+
+    def input_meta(self, shape: dict, dtype) -> dict:
+        """{input name: (shape tuple, dtype)} of the tensor inputs (contiguous)."""
+        raise NotImplementedError
+
+    def signature(self, shape: dict, dtype) -> list[dict]:
+        """launch()'s arguments for the sandbox, in contract order: tensors as shape/strides/
+        dtype (no data), scalars by name."""
+        dtype = dtype_from_name(dtype)
+        metas = dict(self.input_meta(shape, dtype))
+        for name, t in self.make_outputs(shape, dtype, "meta").items():
+            metas[name] = (tuple(t.shape), t.dtype)
+        out = []
+        for name in self.arg_names + self.out_names:
+            if name not in metas:
+                out.append({"name": name, "kind": "scalar"})
+                continue
+            shp, dt = metas[name]
+            strides, acc = [], 1
+            for d in reversed(shp):
+                strides.append(acc)
+                acc *= max(d, 1)
+            out.append({"name": name, "kind": "tensor", "shape": list(shp), "strides": strides[::-1],
+                        "dtype": str(dt).removeprefix("torch."), "role": "output" if name in self.out_names else "input"})
+        return out
+
+    def random_shape(self, rng, device: str) -> dict:
+        """A shape from the op's valid domain that the published sweep does not list: a
+        candidate correct only on the published shapes fails on it."""
+        raise NotImplementedError
+
+    def valid_shape(self, shape: dict) -> str | None:
+        """None when `shape` is in the op's domain, else why not."""
+        keys = [k for k in self.shapes("cpu")[0] if k != "dtype"]
+        dims = {k: v for k, v in shape.items() if k != "dtype"}
+        if sorted(dims) != sorted(keys):
+            return f"{self.name} shapes have dims {', '.join(keys)} (got {', '.join(dims) or 'none'})"
+        bad = [k for k, v in dims.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+        if bad:
+            return f"{', '.join(bad)} must be positive integers"
+        return None
+
+    def stock_call(self, inputs: dict) -> dict:
+        """What a user runs (returns new tensors: no copy charged to stock). Timed as stock."""
+        raise NotImplementedError
+
 
 def itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype_from_name(dtype)).element_size()

@@ -4,7 +4,7 @@
 q `[B, Hq, D]`; k_cache, v_cache `[B, Hkv, S_max, D]` (contiguous); seq_lens int32 `[B]` on the
 same device, 1 <= seq_lens[b] <= S_max (only the first seq_lens[b] cache positions of
 sequence b are valid: the rest holds garbage the kernel must ignore); scale a Python float
-(usually 1/sqrt(D)); Hq % Hkv == 0 and query head h reads kv head h // (Hq // Hkv);
+(usually 1/sqrt(D); the harness draws it per trial in [0.5, 2] / sqrt(D)); D a power of two; Hq % Hkv == 0 and query head h reads kv head h // (Hq // Hkv);
 out `[B, Hq, D]` like q:
   out[b, h] = softmax(scale * q[b, h] . k_cache[b, h // G, :L]) @ v_cache[b, h // G, :L],
   L = seq_lens[b], G = Hq // Hkv. Compute in fp32, store in q's dtype.
@@ -36,6 +36,53 @@ class DecodeAttentionSpec(KernelSpec):
                 {"B": 16, "Hq": 32, "Hkv": 8, "S": 8192, "D": 128},
                 {"B": 3, "Hq": 28, "Hkv": 4, "S": 1000, "D": 128},
                 {"B": 4, "Hq": 32, "Hkv": 8, "S": 32768, "D": 128}]
+
+    # scale = u / sqrt(D), u in [0.5, 2]: drawn per trial (see draw_scalars)
+    scalar_ranges = {"scale": (0.5, 2.0)}
+
+    def draw_scalars(self, rng, shape):
+        u = super().draw_scalars(rng, shape)["scale"]
+        return {"scale": u / math.sqrt(shape["D"])}
+
+    def input_meta(self, shape, dtype):
+        b, hq, hkv, s, d = shape["B"], shape["Hq"], shape["Hkv"], shape["S"], shape["D"]
+        return {"q": ((b, hq, d), dtype), "k_cache": ((b, hkv, s, d), dtype),
+                "v_cache": ((b, hkv, s, d), dtype), "seq_lens": ((b,), torch.int32)}
+
+    def random_shape(self, rng, device):
+        hkv = rng.choice([1, 2, 4])
+        if device == "cpu":
+            return {"B": rng.randint(1, 3), "Hq": hkv * rng.choice([1, 2, 4]), "Hkv": hkv,
+                    "S": rng.randint(1, 150), "D": rng.choice([16, 32])}
+        return {"B": rng.randint(1, 8), "Hq": hkv * rng.choice([1, 4, 8]), "Hkv": hkv,
+                "S": rng.randint(1, 3000), "D": rng.choice([64, 128])}
+
+    def valid_shape(self, shape):
+        problem = super().valid_shape(shape)
+        if problem:
+            return problem
+        if shape["Hq"] % shape["Hkv"]:
+            return "Hq must be a multiple of Hkv"
+        if shape["D"] & (shape["D"] - 1):
+            return "D must be a power of two"
+        return None
+
+    def stock_call(self, inputs):
+        import torch.nn.functional as F
+
+        q, k, v = inputs["q"], inputs["k_cache"], inputs["v_cache"]
+        s = k.shape[2]
+        valid = torch.arange(s, device=q.device)[None, :] < inputs["seq_lens"].long()[:, None]
+        mask = valid[:, None, None, :]
+        try:
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask,
+                                               scale=inputs["scale"], enable_gqa=True)
+        except TypeError:  # torch without enable_gqa
+            g = q.shape[1] // k.shape[1]
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), k.repeat_interleave(g, dim=1),
+                                               v.repeat_interleave(g, dim=1), attn_mask=mask,
+                                               scale=inputs["scale"])
+        return {"out": o.squeeze(2)}
 
     def make_inputs(self, shape, dtype, device, generator, dist):
         b, hq, hkv, s, d = shape["B"], shape["Hq"], shape["Hkv"], shape["S"], shape["D"]

@@ -34,6 +34,18 @@ class MatmulSpec(KernelSpec):
             return ("normal", "tiny")
         return self.distributions
 
+    def input_meta(self, shape, dtype):
+        return {"a": ((shape["M"], shape["K"]), dtype), "b": ((shape["K"], shape["N"]), dtype)}
+
+    def random_shape(self, rng, device):
+        if device == "cpu":
+            return {"M": rng.randint(1, 20), "K": rng.randint(1, 150), "N": rng.randint(1, 150)}
+        return {"M": rng.choice([rng.randint(1, 16), rng.randint(17, 600)]),
+                "K": rng.randint(1, 3000), "N": rng.randint(1, 3000)}
+
+    def stock_call(self, inputs):
+        return {"out": inputs["a"] @ inputs["b"]}
+
     def make_inputs(self, shape, dtype, device, generator, dist):
         a = draw((shape["M"], shape["K"]), dist, generator, device).to(dtype)
         b = draw((shape["K"], shape["N"]), "normal", generator, device).to(dtype)

@@ -35,6 +35,19 @@ class RmsNormSpec(KernelSpec):
         return [{"M": 1, "N": 4096}, {"M": 16, "N": 4096}, {"M": 4096, "N": 4096},
                 {"M": 2049, "N": 5121}, {"M": 16384, "N": 3000}, {"M": 32768, "N": 8192}]
 
+    scalar_ranges = {"eps": (1e-6, 1e-2)}
+
+    def input_meta(self, shape, dtype):
+        return {"x": ((shape["M"], shape["N"]), dtype), "weight": ((shape["N"],), dtype)}
+
+    def random_shape(self, rng, device):
+        if device == "cpu":
+            return {"M": rng.randint(1, 6), "N": rng.choice([rng.randint(1, 64), rng.randint(65, 700)])}
+        return {"M": rng.randint(1, 300), "N": rng.randint(1, 9000)}
+
+    def stock_call(self, inputs):
+        return {"out": rms_norm_native(inputs["x"], inputs["weight"], inputs["eps"])}
+
     def make_inputs(self, shape, dtype, device, generator, dist):
         m, n = shape["M"], shape["N"]
         x = draw((m, n), dist, generator, device).to(dtype)

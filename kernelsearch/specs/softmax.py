@@ -18,6 +18,17 @@ class SoftmaxSpec(KernelSpec):
         return [{"M": 1, "N": 4096}, {"M": 16, "N": 32000}, {"M": 4096, "N": 4096},
                 {"M": 1000, "N": 3000}, {"M": 2048, "N": 32000}, {"M": 16384, "N": 8192}]
 
+    def input_meta(self, shape, dtype):
+        return {"x": ((shape["M"], shape["N"]), dtype)}
+
+    def random_shape(self, rng, device):
+        if device == "cpu":
+            return {"M": rng.randint(1, 6), "N": rng.choice([rng.randint(1, 64), rng.randint(65, 700)])}
+        return {"M": rng.randint(1, 300), "N": rng.randint(1, 9000)}
+
+    def stock_call(self, inputs):
+        return {"out": torch.softmax(inputs["x"], dim=-1)}
+
     def make_inputs(self, shape, dtype, device, generator, dist):
         return {"x": draw((shape["M"], shape["N"]), dist, generator, device).to(dtype)}
 

