@@ -65,12 +65,24 @@ def _child_search(configs: int) -> dict:
     res = search("rmsnorm", state_dir=state, strategy="grid", budget=configs, device="cuda",
                  ceilings={"copy_gb_s": 4246.0, "matmul_tflops": 817.0}, progress=lines.append)
     wall = time.time() - t0
+    # where a warm evaluation's time goes (same process: executor, compiled kernels, plans kept)
+    from kernelsearch.harness import evaluate
+    from kernelsearch.kernels import template_path
+
+    warm = []
+    for params in [dict(b["best_params"]) for b in []] or [None]:
+        t1 = time.time()
+        v = evaluate("rmsnorm", template_path("rmsnorm"), params=params, device="cuda")
+        warm.append({"wall_s": time.time() - t1, "accepted": v.accepted,
+                     "per_shape": [{"shape": x.shape, "random": x.random, "profile_s": x.profile_s}
+                                   for x in v.shapes]})
     shapes = [{"shape": r.shape, "kept": r.kept, "stock_ms": r.stock_ms if math.isfinite(r.stock_ms) else None,
                "best_ms": r.best["candidate_ms"] if r.best else None,
                "best_params": r.best["params"] if r.best else None, "verdicts": r.verdicts}
               for r in res.shapes]
     return {"wall_s": wall, "evaluations": res.evaluations, "evals_per_min": 60 * res.evaluations / wall,
-            "table": res.table_path, "shapes": shapes, "log_tail": lines[-5:]}
+            "table": res.table_path, "shapes": shapes, "log_tail": lines[-5:], "warm_eval": warm,
+            "log": lines}
 
 
 def _child_autotune() -> dict:
@@ -196,6 +208,14 @@ def main() -> int:
         shape = f"{r['shape']['M']}x{r['shape']['N']}"
         print(f"{shape:<16} {st:>14.2f} {au:>12.2f} {se:>10.2f} {au / se:>10.2f}x {st / se:>11.2f}x  "
               f"{r['search_route']}")
+    for w in s.get("warm_eval", []):
+        print(f"\nwarm re-evaluation of CONFIGS[0]: {w['wall_s']:.2f} s, accepted {w['accepted']}")
+        for x in w["per_shape"]:
+            print(f"  {x['shape']} random={x['random']} {x['profile_s']}")
+    if "log" in s:
+        print("\nsearch log (evaluation lines with wall-clock marks):")
+        for line in s["log"][:40]:
+            print("  " + line[:160])
     if "shapes" in s:
         print("\nsearch per shape: kept, best, stock (harness timing)")
         for r in s["shapes"]:

@@ -259,7 +259,8 @@ class Loop:
         self.ledger.record(rows)
         best = min((o.time_ms for o in self.memo[cand.ident].values()), default=math.inf)
         status = "accepted" if verdict.accepted else f"rejected by {verdict.guard}: {verdict.reason[:100]}"
-        self.progress(f"[{self.evaluations}] {cand.source_path.name} {key(cand.params)} -> {status}"
+        self.progress(f"[{self.evaluations} {time.time() - self.started:.1f}s] {cand.source_path.name} "
+                      f"{key(cand.params)} -> {status}"
                       + (f" (fastest shape {best:.4f} ms)" if math.isfinite(best) else ""))
 
     def objective(self, make: Callable[[dict], Candidate], shape: dict):

@@ -32,8 +32,8 @@ _graph = torch.cuda.graph
 CUDA_REPS = 25
 CUDA_WARMUP = 3
 CPU_REPS = 3
-TARGET_REPLAY_MS = 1.0   # launches per replay chosen so one replay lasts about this long
-MAX_LAUNCHES_PER_REPLAY = 20
+TARGET_REPLAY_MS = 0.5   # launches per replay chosen so one replay lasts about this long
+MAX_LAUNCHES_PER_REPLAY = 10
 
 
 class CaptureError(RuntimeError):

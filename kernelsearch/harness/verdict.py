@@ -26,6 +26,7 @@ class ShapeResult:
     launches_per_replay: int = 0       # calls of launch() captured in one timed graph replay
     random: bool = False               # drawn at random from the op's domain (checked, not timed)
     plan: dict | None = None           # the launch plan verified at this shape (dispatch runs it)
+    profile_s: dict | None = None      # harness wall seconds: compile_wait, checks, timed, stock
 
     def to_json(self) -> dict:
         d = asdict(self)

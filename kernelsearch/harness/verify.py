@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import random
 import secrets
+import time
 from pathlib import Path
 
 from kernelsearch.harness import plan_client, runner
@@ -56,6 +57,7 @@ class Session:
         self.configs: list | None = None
         self.space: dict | None = None
         self.isolation: list = []
+        self.sandbox_s = 0.0                    # wall seconds in sandbox runs (planning)
         self._described = False
         if self.spec is None:
             self.failure = ("contract", f"unknown kernel {kernel!r} (known: {', '.join(SPECS)})")
@@ -111,10 +113,12 @@ class Session:
         if self._described and not todo:
             return
         cases = [({k: v for k, v in s.items() if k != "dtype"}, self._dtype_of(s)) for s, _ in self.cases]
+        started = time.perf_counter()
         reply = plan_client.request_plans(self.text, self.spec, cases, todo,
                                           plan_client.device_info(self.device),
                                           all_configs=not self._described, user=self.sandbox_user,
                                           timeout_s=min(self.timeout_s, plan_client.SANDBOX_TIMEOUT_S))
+        self.sandbox_s += time.perf_counter() - started
         self.isolation = reply.get("isolation") or self.isolation
         if reply.get("leftover"):
             names = ", ".join(f"{p['comm']}[{p['pid']}]" for p in reply["leftover"][:5])
@@ -227,6 +231,7 @@ class Session:
                 runner.discard(self.device)
             return False
         r = reply["result"]
+        result.profile_s = dict(r.get("profile_s") or {})
         result.error_rel_l2 = r.get("error_rel_l2")
         result.launches_per_replay = int(r.get("launches_per_replay") or 0)
         if time_it and not is_random:
@@ -234,7 +239,9 @@ class Session:
             result.candidate_p20_ms = r["candidate_p20_ms"]
             result.candidate_p80_ms = r["candidate_p80_ms"]
             result.timing = r["timing"]
+            t0 = time.perf_counter()
             result.stock_ms, result.noise_band = self._stock(ex, dims, dtype)
+            result.profile_s["stock"] = round(time.perf_counter() - t0, 4)
             if math.isfinite(result.candidate_ms) and result.candidate_ms > 0 and math.isfinite(result.stock_ms):
                 result.speedup = result.stock_ms / result.candidate_ms
         result.status = "ok"
