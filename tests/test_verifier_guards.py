@@ -458,3 +458,21 @@ def test_gpu_honest_candidate_is_timed_by_graph_replay():
                  fresh=True)
     assert v.accepted, v.reason
     assert v.shapes[0].timing == "cuda_graph_replay" and math.isfinite(v.shapes[0].candidate_ms)
+
+
+def test_an_evaluation_leaves_no_temporary_directories(tmp_path):
+    """The executor, its compile workers and the dispatch loader make private directories; none
+    outlives the process that made it (an earlier version left one per compile worker)."""
+    import subprocess
+    import sys
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code = ("from pathlib import Path; from kernelsearch.harness import evaluate; "
+            f"v = evaluate('rmsnorm', Path({str(CANDIDATES / 'honest_rmsnorm.py')!r}), device='cpu', "
+            "shapes=[{'M': 2, 'N': 64}], fresh=True); assert v.accepted, v.reason")
+    env = {**os.environ, "TMPDIR": str(tmp), "TRITON_INTERPRET": "1"}
+    env.pop("HWTUNE_WORK_DIR", None)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300,
+                   cwd=Path(__file__).parents[1])
+    assert sorted(p.name for p in tmp.iterdir()) == []

@@ -154,27 +154,19 @@ class Slot:
         for name in self.input_names:
             self.typed(name).copy_(inputs[name])
 
-    def poison(self, kind: str) -> dict:
-        """Fill outputs and scratch workspaces; returns the outputs' poison (to spot unwritten
-        elements)."""
+    def poison(self, kind: str) -> "Poison":
+        """Fill outputs and scratch workspaces. Returns a record of the outputs' poison that
+        regenerates it on demand (only a failed comparison needs it, to spot unwritten
+        elements), so no copy of every output is made on every call."""
         t = self.torch
-        kept = {}
+        seed = secrets.randbits(62)
+        g = t.Generator(device=self.device)
         for name in self.outputs_names:
-            out = self.typed(name)
-            if kind == "nan":
-                out.fill_(float("nan"))
-            elif kind == "huge":
-                big = t.finfo(out.dtype).max / 2 if out.dtype.is_floating_point else 2**30
-                signs = t.randint(0, 2, out.shape, generator=self.gen, device=self.device) * 2 - 1
-                out.copy_(signs.to(out.dtype) * big)
-            else:
-                out.copy_(t.randn(out.shape, generator=self.gen, device=self.device,
-                                  dtype=t.float32).mul_(100.0).to(out.dtype))
-            kept[name] = out.clone()
+            _fill_poison(t, self.typed(name), kind, g.manual_seed(seed ^ hash(name) & 0xFFFFFFFF))
         for name in self.scratch:
             d = self.data[name]
             d.copy_(t.randint(0, 256, d.shape, dtype=t.uint8, generator=self.gen, device=self.device))
-        return kept
+        return Poison(self, kind, seed)
 
     def damaged_canaries(self) -> list[str]:
         bad = []
@@ -191,6 +183,36 @@ class Slot:
     def mutated_inputs(self, inputs: dict) -> list[str]:
         return [n for n in self.input_names
                 if not self.torch.equal(self.data[n], _bytes(inputs[n]))]
+
+
+def _fill_poison(t, out, kind: str, g) -> None:
+    if kind == "nan":
+        out.fill_(float("nan"))
+    elif kind == "huge":
+        big = t.finfo(out.dtype).max / 2 if out.dtype.is_floating_point else 2**30
+        signs = t.randint(0, 2, out.shape, generator=g, device=out.device) * 2 - 1
+        out.copy_(signs.to(out.dtype) * big)
+    else:
+        out.copy_(t.randn(out.shape, generator=g, device=out.device, dtype=t.float32)
+                  .mul_(100.0).to(out.dtype))
+
+
+class Poison:
+    """What one call's outputs were filled with: `get(name)` rebuilds that output's poison from
+    the recorded kind and seed (the draw is deterministic given the generator's seed)."""
+
+    def __init__(self, slot, kind: str, seed: int):
+        self.slot, self.kind, self.seed = slot, kind, seed
+
+    def get(self, name):
+        slot = self.slot
+        if name not in slot.outputs_names:
+            return None
+        t = slot.torch
+        out = t.empty_like(slot.typed(name))
+        g = t.Generator(device=slot.device).manual_seed(self.seed ^ hash(name) & 0xFFFFFFFF)
+        _fill_poison(t, out, self.kind, g)
+        return out
 
 
 def _bytes(t):
@@ -634,4 +656,12 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    _profile_to = os.environ.pop("HWTUNE_EXECUTOR_PROFILE", "")  # bench/verifier_speed_gpu.py --profile
+    if _profile_to:
+        import cProfile
+
+        _prof = cProfile.Profile()
+        _code = _prof.runcall(main, sys.argv[1:])
+        _prof.dump_stats(_profile_to)
+        sys.exit(_code)
     sys.exit(main(sys.argv[1:]))

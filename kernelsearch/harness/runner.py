@@ -46,6 +46,9 @@ class ExecutorProcess:
             env.pop("TRITON_INTERPRET", None)
         # Compiled kernels (and Triton's launcher .so) land in a directory only we can write.
         env.setdefault("TRITON_CACHE_DIR", os.path.join(self.workdir, "triton-cache"))
+        # The executor's (and its compile workers') kernel files live here: close() removes it
+        # even when the executor was killed.
+        env["HWTUNE_WORK_DIR"] = self.workdir
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kernelsearch.harness.executor", str(to_child_r),

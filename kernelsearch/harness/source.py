@@ -25,9 +25,11 @@ globals, so even a name the check missed finds no open/eval/__import__.
 from __future__ import annotations
 
 import ast
+import atexit
 import hashlib
 import importlib.util
 import os
+import shutil
 import stat
 import sys
 import tempfile
@@ -617,9 +619,15 @@ _RESTRICTED_BUILTINS = {name: __builtins__[name] if isinstance(__builtins__, dic
 
 
 def private_dir(prefix: str = "hwtune-kernels-") -> Path:
-    """A fresh directory only this user can enter (mode 0700 whatever the umask)."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
+    """A fresh directory only this user can enter (mode 0700 whatever the umask), removed when
+    this process exits. Inside $HWTUNE_WORK_DIR where the parent gave one (the runner does, and
+    removes it even when this process is killed), else in the temporary directory."""
+    parent = os.environ.get("HWTUNE_WORK_DIR")
+    if not (parent and os.path.isdir(parent)):
+        parent = None
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     os.chmod(path, stat.S_IRWXU)
+    atexit.register(shutil.rmtree, path, True)
     return path
 
 
