@@ -1,6 +1,6 @@
 """How fast the verifier judges, against what a Triton user would run instead (one GPU).
 
-    python bench/verifier_speed_gpu.py [--configs 24] [--out DIR]
+    python bench/verifier_speed_gpu.py [--configs 24] [--out DIR] [--profile]
 
 1. `search` (cold): a fresh process, a fresh Triton cache, the rmsnorm template's first N
    CONFIGS over the CUDA sweep through kernelsearch.search (grid): wall time, evaluations,
@@ -11,7 +11,9 @@
    autotune compiles and benchmarks): wall time.
 3. `compare`: in one process, the same timer (CUDA graph replay, L2 flushed, median) for
    F.rms_norm, the autotune picks and the search's dispatch winners at each shape.
-Prints tables; writes verifier_speed.json under --out (or $OUT).
+Prints tables; writes verifier_speed.json under --out (or $OUT). --profile runs the cold search
+under cProfile (the search process, and the trusted executor through HWTUNE_EXECUTOR_PROFILE) and
+prints where the time goes.
 """
 from __future__ import annotations
 
@@ -115,12 +117,15 @@ def _child_autotune() -> dict:
     return {"wall_s": time.time() - t0, "shapes": per_shape, "configs": len(mod.CONFIGS)}
 
 
-def _run_child(what: str, configs: int) -> dict:
+def _run_child(what: str, configs: int, profile_dir: str | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
                TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="hwtune-cold-cache-"))
+    cmd = [sys.executable, __file__, "--child", what, "--configs", str(configs)]
+    if profile_dir:
+        env["HWTUNE_EXECUTOR_PROFILE"] = os.path.join(profile_dir, f"{what}-executor.prof")
+        cmd = [sys.executable, "-m", "cProfile", "-o", os.path.join(profile_dir, f"{what}-parent.prof")] + cmd[1:]
     t0 = time.time()
-    proc = subprocess.run([sys.executable, __file__, "--child", what, "--configs", str(configs)],
-                          env=env, capture_output=True, text=True, timeout=560)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=560)
     total = time.time() - t0
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:], "process_s": total}
@@ -172,11 +177,47 @@ def _compare(table_path: str | None) -> list[dict]:
     return rows
 
 
+def _eval_marks(log: list[str]) -> list[float]:
+    """Wall seconds at which each evaluation finished, from the search's progress lines '[i Ts] ...'."""
+    import re
+
+    out = []
+    for line in log:
+        m = re.match(r"\s*\[(\d+) ([0-9.]+)s\]", line)
+        if m:
+            out.append(float(m.group(2)))
+    return out
+
+
+def _print_profiles(profile_dir: str, out_dir: str | None) -> None:
+    """Top entries of each profile: to OUT/profile.txt (or stdout without --out)."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    for name in ("search-parent.prof", "search-executor.prof"):
+        path = os.path.join(profile_dir, name)
+        if not os.path.exists(path):
+            buf.write(f"\n(no profile {name})\n")
+            continue
+        for key in ("cumulative", "tottime"):
+            buf.write(f"\n== profile {name}, by {key} ==\n")
+            pstats.Stats(path, stream=buf).sort_stats(key).print_stats(60)
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        Path(out_dir, "profile.txt").write_text(buf.getvalue())
+        print(f"\nprofiles written to {Path(out_dir, 'profile.txt')}")
+    else:
+        print(buf.getvalue())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", type=int, default=24)
     ap.add_argument("--child", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT"))
+    ap.add_argument("--repeat", type=int, default=2, help="cold runs of each (fresh processes and caches)")
+    ap.add_argument("--profile", action="store_true", help="cProfile the cold search (search process and executor)")
     args = ap.parse_args()
     if args.child == "search":
         print(json.dumps(_child_search(args.configs), default=str))
@@ -184,19 +225,30 @@ def main() -> int:
     if args.child == "autotune":
         print(json.dumps(_child_autotune(), default=str))
         return 0
-    report = {"search": _run_child("search", args.configs), "autotune": _run_child("autotune", args.configs)}
-    s, a = report["search"], report["autotune"]
+    profile_dir = tempfile.mkdtemp(prefix="hwtune-profile-") if args.profile else None
+    runs = []
+    for i in range(max(1, args.repeat)):  # alternate, so that drift hits both alike
+        runs.append({"search": _run_child("search", args.configs, profile_dir if i == 0 else None),
+                     "autotune": _run_child("autotune", args.configs)})
+    report = {"runs": runs, "search": runs[-1]["search"], "autotune": runs[-1]["autotune"]}
     print("\n== cold: the verifier's search vs Triton's @autotune (rmsnorm, CUDA sweep) ==")
-    if "error" in s:
-        print("search failed:", s["error"][-1500:])
-    else:
-        print(f"search   {args.configs} configs: {s['evaluations']} evaluations in {s['wall_s']:.1f} s "
-              f"({s['evals_per_min']:.1f}/min); process incl. start {s['process_s']:.1f} s")
-    if "error" in a:
-        print("autotune failed:", a["error"][-1500:])
-    else:
-        print(f"autotune {a['configs']} configs x {len(a['shapes'])} shapes: {a['wall_s']:.1f} s; "
-              f"process incl. start {a['process_s']:.1f} s")
+    for i, run in enumerate(runs, 1):
+        s, a = run["search"], run["autotune"]
+        if "error" in s:
+            print(f"run {i} search failed:", s["error"][-1500:])
+        else:
+            marks = _eval_marks(s.get("log", []))
+            steady = (60 * (len(marks) - 1) / (marks[-1] - marks[0])) if len(marks) > 2 else math.nan
+            s["first_eval_s"], s["steady_evals_per_min"] = (marks[0] if marks else None), steady
+            print(f"run {i} search   {args.configs} configs: {s['evaluations']} evaluations in {s['wall_s']:.1f} s "
+                  f"({s['evals_per_min']:.1f}/min overall; first done at {marks[0] if marks else math.nan:.1f} s, "
+                  f"then {steady:.1f}/min); process incl. start {s['process_s']:.1f} s")
+        if "error" in a:
+            print(f"run {i} autotune failed:", a["error"][-1500:])
+        else:
+            print(f"run {i} autotune {a['configs']} configs x {len(a['shapes'])} shapes: {a['wall_s']:.1f} s; "
+                  f"process incl. start {a['process_s']:.1f} s")
+    s = report["search"]
     report["compare"] = _compare(s.get("table"))
     print(f"\n{'shape':<16} {'F.rms_norm us':>14} {'autotune us':>12} {'search us':>10} {'search/auto':>11} "
           f"{'search/stock':>12}  winner")
@@ -221,6 +273,8 @@ def main() -> int:
         for r in s["shapes"]:
             print(f"  {r['shape']}: kept={r['kept']} best={r['best_ms']} stock={r['stock_ms']} "
                   f"params={r['best_params']} verdicts={r['verdicts']}")
+    if profile_dir:
+        _print_profiles(profile_dir, args.out)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "verifier_speed.json").write_text(json.dumps(report, indent=1, default=str))

@@ -168,21 +168,28 @@ class Slot:
             d.copy_(t.randint(0, 256, d.shape, dtype=t.uint8, generator=self.gen, device=self.device))
         return Poison(self, kind, seed)
 
-    def damaged_canaries(self) -> list[str]:
-        bad = []
+    def damaged(self, inputs: dict) -> tuple[list[str], list[str], list[str]]:
+        """(canary zones changed, inputs modified, persistent workspaces not all-zero), decided
+        on the device and read back with one synchronisation."""
+        t, names, flags = self.torch, [], []
         for name, raw in self.raw.items():
             c = self.canary[name]
-            if not (self.torch.equal(raw[:CANARY_BYTES], c[:CANARY_BYTES]) and
-                    self.torch.equal(raw[raw.numel() - CANARY_BYTES:], c[CANARY_BYTES:])):
-                bad.append(name)
-        return bad
-
-    def dirty_persistent(self) -> list[str]:
-        return [n for n in self.persistent if bool(self.data[n].any())]
-
-    def mutated_inputs(self, inputs: dict) -> list[str]:
-        return [n for n in self.input_names
-                if not self.torch.equal(self.data[n], _bytes(inputs[n]))]
+            names.append(("canary", name))
+            flags.append((raw[:CANARY_BYTES] != c[:CANARY_BYTES]).any()
+                         | (raw[raw.numel() - CANARY_BYTES:] != c[CANARY_BYTES:]).any())
+        for n in self.input_names:
+            want = _bytes(inputs[n])
+            names.append(("input", n))
+            flags.append((self.data[n] != want).any() if want.numel() == self.data[n].numel()
+                         else t.ones((), dtype=t.bool, device=self.device))
+        for n in self.persistent:
+            names.append(("persistent", n))
+            flags.append(self.data[n].any())
+        found = {"canary": [], "input": [], "persistent": []}
+        for (kind, name), bad in zip(names, t.stack(flags).tolist() if flags else []):
+            if bad:
+                found[kind].append(name)
+        return found["canary"], found["input"], found["persistent"]
 
 
 def _fill_poison(t, out, kind: str, g) -> None:
@@ -457,14 +464,12 @@ class Executor:
         return Reject("exception", f"{where}: {text}")
 
     def integrity(self, slot, inputs, where):
-        damaged = slot.damaged_canaries()
+        damaged, mutated, dirty = slot.damaged(inputs)
         if damaged:
             raise Reject("out_of_bounds", f"{where}: wrote outside its buffers (canary zone of "
                                           f"{', '.join(damaged)} changed)")
-        mutated = slot.mutated_inputs(inputs)
         if mutated:
             raise Reject("input_mutated", f"{where}: input(s) {', '.join(mutated)} modified by the call")
-        dirty = slot.dirty_persistent()
         if dirty:
             raise Reject("workspace_state", f"{where}: persistent workspace {', '.join(dirty)} not left "
                                             "all-zero (state carried from one call to the next)")

@@ -29,7 +29,7 @@ _synchronize = torch.cuda.synchronize
 _CUDAGraph = torch.cuda.CUDAGraph
 _graph = torch.cuda.graph
 
-CUDA_REPS = 25
+CUDA_REPS = 20
 CUDA_WARMUP = 3
 CPU_REPS = 3
 TARGET_REPLAY_MS = 0.5   # launches per replay chosen so one replay lasts about this long

@@ -113,6 +113,8 @@ class Session:
         if self._described and not todo:
             return
         cases = [({k: v for k, v in s.items() if k != "dtype"}, self._dtype_of(s)) for s, _ in self.cases]
+        if self.kind == "cuda":
+            runner.executor(self.device)  # starts (imports torch, opens CUDA) while the sandbox plans
         started = time.perf_counter()
         reply = plan_client.request_plans(self.text, self.spec, cases, todo,
                                           plan_client.device_info(self.device),
