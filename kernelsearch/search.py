@@ -396,6 +396,10 @@ def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device:
     state_dir = Path(state_dir)
     spec = get_spec(kernel)
     shapes = shapes or spec.shapes(device)
+    if device.startswith("cuda"):
+        from kernelsearch.harness import runner
+
+        runner.executor(device)  # starts now (torch, CUDA, compile workers) while we get ready
     fp = collect(device)
     fp_id = fingerprint_id(fp)
     budget = parse_budget(budget)

@@ -14,6 +14,15 @@ def init(cache_dir: str) -> None:
     import triton  # noqa: F401
 
 
+def ready() -> bool:
+    """A no-op job: the pool's workers start (import torch and triton, open CUDA) before the
+    first real batch arrives."""
+    import torch
+
+    torch.cuda.current_device()
+    return True
+
+
 def compile_one(source_text: str, job: dict) -> bool:
     """In a compile worker: Triton's warm-up of one launch fills the shared (private) cache, so
     the executor's own first launch only loads the binary."""

@@ -266,19 +266,27 @@ class CompilePool:
     def __init__(self, cache_dir: str):
         self.cache_dir, self.pool, self.futures = cache_dir, None, {}
 
+    def start(self) -> None:
+        """Start the workers now (they import torch and triton and open CUDA while the sandbox
+        plans), not when the first batch arrives."""
+        if self.pool is not None:
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        from kernelsearch.harness import compile_worker
+
+        workers = max(1, min(16, (os.cpu_count() or 2) - 1))
+        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=compile_worker.init, initargs=(self.cache_dir,))
+        for _ in range(workers):
+            self.pool.submit(compile_worker.ready)
+
     def submit(self, source_text: str, jobs: list) -> int:
         fresh = [(k, j) for k, j in jobs if k not in self.futures]
         if len(fresh) < self.MIN_JOBS and self.pool is None:
             return 0
-        if self.pool is None:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
-            workers = max(1, min(16, (os.cpu_count() or 2) - 1))
-            from kernelsearch.harness import compile_worker
-
-            self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=compile_worker.init, initargs=(self.cache_dir,))
+        self.start()
         from kernelsearch.harness import compile_worker
 
         for k, j in fresh:
@@ -295,7 +303,7 @@ class CompilePool:
 
 # --- the executor ---------------------------------------------------------------------------------
 class Executor:
-    def __init__(self, device: str):
+    def __init__(self, device: str, compiler: "CompilePool | None" = None):
         import torch
 
         self.torch, self.device = torch, device
@@ -314,7 +322,7 @@ class Executor:
         self.kernel_dir = source_mod.private_dir("hwtune-executor-")
         self.sources: dict = {}        # sha -> (KernelSource, {name: kernel})
         self.rng = random.Random(secrets.randbits(64))
-        self.compiler = CompilePool(os.environ.get("TRITON_CACHE_DIR", "")) if self.cuda else None
+        self.compiler = compiler if self.cuda else None
 
     # helpers
     def gen(self):
@@ -636,7 +644,13 @@ def main(argv: list[str]) -> int:
         replies.flush()
 
     try:
-        ex = Executor(device)
+        compiler = None
+        if device.startswith("cuda") and os.environ.get("TRITON_CACHE_DIR"):
+            # Its workers start now, importing torch and triton and opening CUDA while this
+            # process does the same.
+            compiler = CompilePool(os.environ["TRITON_CACHE_DIR"])
+            compiler.start()
+        ex = Executor(device, compiler)
     except BaseException as exc:  # noqa: BLE001
         reply({"ok": False, "guard": "harness", "reason": f"executor setup: {_short(exc)}"})
         return 1
