@@ -91,8 +91,9 @@ class Metrics:
                                          namespace=ns, registry=r)
         self.last_tune_ok = Gauge("last_tune_ok", "1 when the last tuning cycle succeeded", namespace=ns,
                                   registry=r)
-        self.kernel_speedup = Gauge("kernel_speedup", "Dispatch-table winner's speedup over stock",
-                                    ["kernel", "shape", "dtype"], namespace=ns, registry=r)
+        self.kernel_speedup = Gauge("kernel_speedup", "Dispatch-table winner's speedup over stock "
+                                    "(`against` names the stock, as a user calls it)",
+                                    ["kernel", "shape", "dtype", "against"], namespace=ns, registry=r)
         self._xid_seen: dict[str, int] = {}
         self._profile: str | None = None
         self._host_kind: str | None = None
@@ -186,24 +187,32 @@ class Metrics:
 
     # -- dispatch table -----------------------------------------------------------------
     def set_kernel_speedups(self, table: Any) -> int:
-        """Replace the per-kernel speedups with the rows of a dispatch table (the parsed JSON:
-        a list of rows or a dict with `entries`). Each row needs `kernel`, `dtype` and either
-        `speedup` or both `stock_ms` and `time_ms`/`candidate_ms`; its shape label comes from
-        `shape` or `shape_range`. Rows without a speedup are skipped. Returns rows exported."""
+        """Replace the per-kernel speedups with the entries of a dispatch table (the parsed
+        JSON: a dict with `entries`, or the list of them), each read as a
+        kernelsearch.entry.Entry; entries that do not parse, or have no speedup, are skipped.
+        Returns the entries exported."""
+        from kernelsearch.entry import Entry, EntryError
+
         rows = table.get("entries", []) if isinstance(table, Mapping) else table
         if not isinstance(rows, list):
-            raise MetricsError(f"dispatch table: expected a list of rows or {{'entries': [...]}}, "
+            raise MetricsError(f"dispatch table: expected a list of entries or {{'entries': [...]}}, "
                                f"got {type(rows).__name__}")
         self.kernel_speedup.clear()
         exported = 0
         for row in rows:
-            if not isinstance(row, Mapping) or "kernel" not in row:
+            try:
+                entry = Entry.from_json(row)
+            except EntryError:
                 continue
-            speedup = _speedup(row)
+            speedup = entry.speedup
+            if speedup is None and entry.stock_ms and entry.candidate_ms:
+                speedup = entry.stock_ms / entry.candidate_ms
             if speedup is None:
                 continue
-            shape = row.get("shape", row.get("shape_range", ""))
-            self.kernel_speedup.labels(str(row["kernel"]), _shape_label(shape), str(row.get("dtype", ""))).set(speedup)
+            shape = _shape_label(dict(entry.shape))
+            if entry.range:
+                shape += " " + ",".join(f"{k}in[{lo},{hi}]" for k, (lo, hi) in entry.range.items())
+            self.kernel_speedup.labels(entry.kernel, shape, entry.dtype, entry.against or "stock").set(speedup)
             exported += 1
         return exported
 
@@ -245,17 +254,6 @@ class Metrics:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-
-
-def _speedup(row: Mapping[str, Any]) -> float | None:
-    value = row.get("speedup")
-    if value is None:
-        stock, mine = row.get("stock_ms"), row.get("time_ms", row.get("candidate_ms"))
-        if isinstance(stock, (int, float)) and isinstance(mine, (int, float)) and mine > 0:
-            value = stock / mine
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
 
 
 def _shape_label(shape: Any) -> str:

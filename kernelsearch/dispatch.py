@@ -9,7 +9,11 @@ Table (JSON, one per device fingerprint: STATE_DIR/dispatch/<fingerprint-id>.jso
   {"format": 1, "fingerprint_id": ..., "fingerprint": {...}, "triton": ..., "torch": ...,
    "entries": [{"kernel", "dtype", "shape": {...}, "range": {dim: [lo, hi]} (optional),
                 "source": {"module": "kernelsearch.kernels.rmsnorm"} | {"path": "/.../x.py"},
-                "source_hash", "params", "plan", "candidate_ms", "stock_ms", "speedup"}]}
+                "source_hash", "params", "plan", "candidate_ms", "stock_ms", "speedup",
+                "against" (what stock_ms timed, e.g. "torch.nn.functional.rms_norm"),
+                "noise_band"}]}
+Every entry is read and written as an `Entry` (frozen; `Entry.from_json` / `to_json`): search,
+share, metrics and bench go through it, nothing else parses entries.
 
 A tuned entry runs its `plan`: the launch plan the harness verified at that shape (see
 kernelsearch.harness.plan), re-validated against the re-checked source when the table is
@@ -35,6 +39,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from kernelsearch.entry import Entry, EntryError, _thaw  # noqa: F401 -- the table's row type
 
 FORMAT = 1
 
@@ -73,18 +79,18 @@ def table_path(state_dir, fingerprint_id: str) -> Path:
     return Path(state_dir) / "dispatch" / f"{fingerprint_id}.json"
 
 
-def shape_matches(entry: dict, shape: dict) -> bool:
-    if entry["shape"] == shape:
+def shape_matches(entry: "Entry", shape: dict) -> bool:
+    if dict(entry.shape) == shape:
         return True
-    ranges = entry.get("range") or {}
-    if not ranges or set(entry["shape"]) != set(shape):
+    ranges = entry.range or {}
+    if not ranges or set(entry.shape) != set(shape):
         return False
     for dim, value in shape.items():
         if dim in ranges:
             lo, hi = ranges[dim]
             if not lo <= value <= hi:
                 return False
-        elif entry["shape"][dim] != value:
+        elif entry.shape[dim] != value:
             return False
     return True
 
@@ -93,7 +99,13 @@ class DispatchTable:
     def __init__(self, data: dict, path: Path | None = None):
         self.data = data
         self.path = path
-        self.entries: list[dict] = list(data.get("entries", []))
+        self.entries: list[Entry] = []
+        self.invalid: list[str] = []        # entries that did not parse: left out (stock there)
+        for raw in data.get("entries", []):
+            try:
+                self.entries.append(raw if isinstance(raw, Entry) else Entry.from_json(raw))
+            except EntryError as exc:
+                self.invalid.append(str(exc))
         self.counts: dict[tuple[str, str], int] = {}
         self._device_ok: dict[str, bool] = {}
         self._launch: dict[str, object] = {}
@@ -119,11 +131,11 @@ class DispatchTable:
         return cls.load(path) if path.exists() else cls.empty()
 
     # --- lookup -------------------------------------------------------------------------
-    def lookup(self, kernel: str, shape: dict, dtype: str) -> dict | None:
+    def lookup(self, kernel: str, shape: dict, dtype: str) -> Entry | None:
         shape = {k: v for k, v in shape.items() if k != "dtype"}
-        candidates = [e for e in self.entries if e["kernel"] == kernel and e["dtype"] == dtype]
+        candidates = [e for e in self.entries if e.kernel == kernel and e.dtype == dtype]
         for e in candidates:
-            if e["shape"] == shape:
+            if dict(e.shape) == shape:
                 return e
         for e in candidates:
             if shape_matches(e, shape):
@@ -138,11 +150,11 @@ class DispatchTable:
             self._device_ok[device_type] = bool(want) and want == fingerprint_id(collect(device_type))
         return self._device_ok[device_type]
 
-    def _tuned(self, entry: dict):
+    def _tuned(self, entry: Entry):
         """The entry's verified plan as a callable, or None when its source is missing or
         changed, or its plan does not validate against the source."""
-        ident = json.dumps([entry.get("source"), entry.get("source_hash"), entry.get("params"),
-                            entry.get("shape"), entry.get("dtype")], sort_keys=True)
+        ident = json.dumps([_thaw(entry.source), entry.source_hash, _thaw(entry.params),
+                            _thaw(entry.shape), entry.dtype], sort_keys=True)
         if ident not in self._launch:
             self._launch[ident] = _load_tuned(entry)
         return self._launch[ident]
@@ -164,7 +176,7 @@ class DispatchTable:
             return None, None, "tuned source missing, changed or without a valid plan"
         if not tuned.accepts(args):
             return None, None, "arguments differ from the verified layout (strides, dtype, device)"
-        return tuned, dict(entry.get("params") or {}), "tuned"
+        return tuned, _thaw(entry.params), "tuned"
 
     def call(self, kernel: str, *args):
         """Run `kernel` on `args` (inputs in contract order); returns its output(s)."""
@@ -185,7 +197,7 @@ class DispatchTable:
 
     # --- writing (used by the search; kept here so the format lives in one file) ----------
     def to_json(self) -> dict:
-        return {**self.data, "format": FORMAT, "entries": self.entries}
+        return {**self.data, "format": FORMAT, "entries": [e.to_json() for e in self.entries]}
 
     def save(self, path) -> Path:
         path = Path(path)
@@ -234,7 +246,7 @@ class TunedKernel:
 
     _kernel_dir = None
 
-    def __init__(self, entry: dict, spec, text: str):
+    def __init__(self, entry: Entry, spec, text: str):
         from kernelsearch.harness import plan as plan_mod, source as source_mod
 
         if TunedKernel._kernel_dir is None:
@@ -242,12 +254,12 @@ class TunedKernel:
         checked = source_mod.KernelSource.parse(text)
         self.kernels = source_mod.load_kernels(checked, TunedKernel._kernel_dir)
         self.spec = spec
-        shape = {k: v for k, v in entry["shape"].items() if k != "dtype"}
-        self.signature = spec.signature(shape, entry["dtype"])
+        shape = dict(entry.shape)
+        self.signature = spec.signature(shape, entry.dtype)
         roles = {a["name"]: plan_mod.DTYPE_SIZES[a["dtype"]] * _numel(a["shape"])
                  for a in self.signature if a["kind"] == "tensor"}
         self.plan = plan_mod.validate(
-            entry["plan"], kernels=checked.kernels, roles=roles,
+            _thaw(entry.plan), kernels=checked.kernels, roles=roles,
             inputs={a["name"] for a in self.signature if a.get("role") == "input"},
             scalars={a["name"] for a in self.signature if a["kind"] == "scalar"},
             workspace_budget_bytes=max(1 << 30, 4 * sum(roles.values())))
@@ -293,20 +305,20 @@ def _numel(shape) -> int:
     return n
 
 
-def _load_tuned(entry: dict):
+def _load_tuned(entry: Entry):
     from kernelsearch.harness.plan import PlanInvalid
     from kernelsearch.harness.source import SourceError
     from kernelsearch.specs import get_spec
 
-    source = entry.get("source") or {}
+    source = _thaw(entry.source) or {}
     try:
-        found = source_text(source)
-        if found is None or not entry.get("plan"):
+        found = source_text(source) if source else None
+        if found is None or not entry.plan:
             return None
         text, path = found
-        if entry.get("source_hash") and file_sha256(path) != entry["source_hash"]:
+        if entry.source_hash and file_sha256(path) != entry.source_hash:
             return None
-        return TunedKernel(entry, get_spec(entry["kernel"]), text)
+        return TunedKernel(entry, get_spec(entry.kernel), text)
     except (ImportError, OSError, UnicodeDecodeError, KeyError, ValueError, TypeError, SourceError, PlanInvalid):
         return None
 

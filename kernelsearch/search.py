@@ -353,13 +353,14 @@ def _merge_winners(table, kernel: str, fingerprint: dict, fingerprint_id: str,
     import torch
     import triton
 
-    from kernelsearch.dispatch import DispatchTable
+    from kernelsearch.dispatch import DispatchTable, Entry
 
     if table.data.get("fingerprint_id") not in (None, fingerprint_id):
         table = DispatchTable.empty()
     swept = {(r.dtype, _shape_key(r.shape)) for r in reports}
     table.entries = [e for e in table.entries
-                     if not (e["kernel"] == kernel and (e["dtype"], canonical(e["shape"])) in swept)]
+                     if not (e.kernel == kernel and (e.dtype, canonical(dict(e.shape))) in swept)]
+    against = get_spec(kernel).stock_name
     for r in reports:
         if r.kept:
             b = r.best
@@ -370,13 +371,13 @@ def _merge_winners(table, kernel: str, fingerprint: dict, fingerprint_id: str,
                 plan = make_plan(kernel, b["source_path"], r.shape, r.dtype, b["params"], device)
             if plan is None:
                 continue
-            table.entries.append({
-                "plan": plan,
-                "kernel": kernel, "dtype": r.dtype,
-                "shape": {k: v for k, v in r.shape.items() if k != "dtype"},
-                "source": b["source"], "source_hash": b["source_hash"], "params": b["params"],
-                "candidate_ms": b["candidate_ms"], "stock_ms": b["stock_ms"],
-                "speedup": round(r.speedup, 4) if r.speedup else None, "noise_band": b["noise_band"]})
+            table.entries.append(Entry.make(
+                plan=plan, kernel=kernel, dtype=r.dtype,
+                shape={k: v for k, v in r.shape.items() if k != "dtype"},
+                source=b["source"], source_hash=b["source_hash"], params=b["params"],
+                candidate_ms=b["candidate_ms"], stock_ms=b["stock_ms"],
+                speedup=round(r.speedup, 4) if r.speedup else None, against=against,
+                noise_band=b["noise_band"]))
     table.data.update(fingerprint_id=fingerprint_id, fingerprint=fingerprint,
                       triton=triton.__version__, torch=torch.__version__, updated_at=time.time())
     return table

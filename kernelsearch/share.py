@@ -89,18 +89,23 @@ def export_bundle(state_dir, fingerprint_id: str, fingerprint: dict | None = Non
     table_file = table_path(state_dir, fingerprint_id)
     dispatch, sources, notes = None, {}, []
     if table_file.exists():
-        dispatch = json.loads(table_file.read_text())
-        entries = [e for e in dispatch.get("entries", []) if kernel is None or e["kernel"] == kernel]
+        from kernelsearch.dispatch import DispatchTable
+
+        table = DispatchTable.load(table_file)
+        notes += [f"unreadable dispatch entry left out: {why}" for why in table.invalid]
+        dispatch = dict(table.data)
         kept = []
-        for e in entries:
-            path = (e.get("source") or {}).get("path")
+        for e in table.entries:
+            if kernel is not None and e.kernel != kernel:
+                continue
+            path = (e.source or {}).get("path")
             if path:
-                if not Path(path).is_file() or file_hash(path) != e.get("source_hash"):
-                    notes.append(f"{e['kernel']} {canonical(e['shape'])}: source {path} missing or changed, "
+                if not Path(path).is_file() or file_hash(path) != e.source_hash:
+                    notes.append(f"{e.kernel} {canonical(dict(e.shape))}: source {path} missing or changed, "
                                  "entry left out")
                     continue
-                sources[e["source_hash"]] = Path(path).read_text()
-            kept.append(e)
+                sources[e.source_hash] = Path(path).read_text()
+            kept.append(e.to_json())
         dispatch["entries"] = kept
         fingerprint = fingerprint or dispatch.get("fingerprint")
     if fingerprint is None and rows:
@@ -131,13 +136,8 @@ def _has_row(ledger: Ledger, row: dict) -> bool:
          canonical(row["params"]), row["fingerprint"], row["code_version"], row["started_at"])).fetchone() is not None
 
 
-def _entry_key(e: dict) -> str:
-    return canonical([e["kernel"], e["dtype"], e["shape"], e.get("range") or {}])
-
-
-def _ms(e: dict) -> float:
-    v = e.get("candidate_ms")
-    return float(v) if v is not None else math.inf
+def _ms(e) -> float:
+    return float(e.candidate_ms) if e.candidate_ms is not None else math.inf
 
 
 def import_bundle(bundle: dict, state_dir, local_fingerprint: dict, ledger_path=None,
@@ -185,31 +185,39 @@ def _merge_entries(table, dispatch, bundle, state_dir, report, foreign, theirs_i
                    local_fingerprint):
     """Add the bundle's winners to this host's table; a conflicting entry is replaced only by a
     faster one."""
-    index = {_entry_key(e): i for i, e in enumerate(table.entries)}
+    from kernelsearch.dispatch import Entry, EntryError
+
+    index = {e.key: i for i, e in enumerate(table.entries)}
     source_dir = Path(state_dir) / "shared" / "sources"
-    for entry in dispatch["entries"]:
-        entry = dict(entry)
-        src_path = (entry.get("source") or {}).get("path")
+    for raw in dispatch["entries"]:
+        try:
+            entry = Entry.from_json(raw)
+        except EntryError as exc:
+            raise BadBundle(str(exc)) from None
+        src_path = (entry.source or {}).get("path")
+        changes = {}
         if src_path:
-            text = (bundle.get("sources") or {}).get(entry.get("source_hash"))
-            if text is None:
+            text = (bundle.get("sources") or {}).get(entry.source_hash)
+            if text is None or not isinstance(entry.source_hash, str) or not entry.source_hash.isalnum():
                 continue  # the exporter left it out; nothing to run it from
             source_dir.mkdir(parents=True, exist_ok=True)
-            local = source_dir / f"{entry['source_hash']}{Path(src_path).suffix or '.py'}"
+            local = source_dir / f"{entry.source_hash}{Path(src_path).suffix or '.py'}"
             if not local.exists():
                 local.write_text(text)
-            entry["source"] = {"path": str(local.resolve())}
+            changes["source"] = {"path": str(local.resolve())}
         if foreign:
-            entry["imported_from"] = theirs_id
-        k = _entry_key(entry)
+            changes["imported_from"] = theirs_id
+        if changes:
+            entry = entry.replace(**changes)
+        k = entry.key
         if k not in index:
             index[k] = len(table.entries)
             table.entries.append(entry)
             report["entries_added"] += 1
             continue
         current = table.entries[index[k]]
-        same = (current.get("source_hash"), canonical(current.get("params")), current.get("source")) == \
-               (entry.get("source_hash"), canonical(entry.get("params")), entry.get("source"))
+        same = (current.source_hash, canonical(dict(current.params)), dict(current.source or {})) == \
+               (entry.source_hash, canonical(dict(entry.params)), dict(entry.source or {}))
         if not same and _ms(entry) < _ms(current):
             table.entries[index[k]] = entry
             report["entries_replaced"] += 1

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from kernelsearch.dispatch import DispatchTable, file_sha256, shape_matches
+from kernelsearch.dispatch import DispatchTable, Entry, EntryError, file_sha256, shape_matches
 from kernelsearch.fingerprint import collect, fingerprint_id
 
 from conftest import ROOT
@@ -124,14 +124,16 @@ def test_changed_tuned_source_falls_back_to_stock(tmp_path, cpu_fingerprint):
 
 def test_exact_entry_wins_over_range_and_range_needs_other_dims_equal():
     ranged = {"shape": {"M": 16, "K": 4096, "N": 4096}, "range": {"M": [1, 16]}}
-    assert shape_matches(ranged, {"M": 3, "K": 4096, "N": 4096})
-    assert not shape_matches(ranged, {"M": 3, "K": 4096, "N": 1024})
-    assert not shape_matches(ranged, {"M": 17, "K": 4096, "N": 4096})
+    as_entry = Entry.make(kernel="matmul", dtype="bfloat16", **ranged)
+    assert shape_matches(as_entry, {"M": 3, "K": 4096, "N": 4096})
+    assert not shape_matches(as_entry, {"M": 3, "K": 4096, "N": 1024})
+    assert not shape_matches(as_entry, {"M": 17, "K": 4096, "N": 4096})
     table = DispatchTable({"format": 1, "entries": [
         dict(ranged, kernel="matmul", dtype="bfloat16", params={"SPLIT_K": 4}),
         {"kernel": "matmul", "dtype": "bfloat16", "shape": {"M": 3, "K": 4096, "N": 4096},
          "params": {"SPLIT_K": 8}}]})
-    assert table.lookup("matmul", {"M": 3, "K": 4096, "N": 4096}, "bfloat16")["params"] == {"SPLIT_K": 8}
+    assert table.lookup("matmul", {"M": 3, "K": 4096, "N": 4096}, "bfloat16").params == {"SPLIT_K": 8}
+    assert table.lookup("matmul", {"M": 5, "K": 4096, "N": 4096}, "bfloat16").params == {"SPLIT_K": 4}
     assert table.lookup("matmul", {"M": 3, "K": 4096, "N": 4096}, "float16") is None
 
 
@@ -151,11 +153,11 @@ def test_concurrent_updates_of_one_table_keep_every_writers_entries(tmp_path):
     writer = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from kernelsearch.dispatch import DispatchTable
+        from kernelsearch.dispatch import DispatchTable, Entry
         name = sys.argv[1]
         for i in range(25):
             with DispatchTable.updating({str(path)!r}) as table:
-                table.entries.append({{"kernel": name, "dtype": "float32", "shape": {{"M": i}}}})
+                table.entries.append(Entry.make(kernel=name, dtype="float32", shape={{"M": i}}))
                 time.sleep(0.002)  # widen the load -> save window
                 table.save({str(path)!r})
     """)
@@ -165,3 +167,32 @@ def test_concurrent_updates_of_one_table_keep_every_writers_entries(tmp_path):
     assert sorted((e["kernel"], e["shape"]["M"]) for e in entries) == \
         sorted((k, i) for k in ("a", "b") for i in range(25))
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_entry_is_frozen_validated_and_round_trips_through_json():
+    raw = {"kernel": "rmsnorm", "dtype": "bfloat16", "shape": {"M": 1, "N": 4096},
+           "source": {"module": "kernelsearch.kernels.rmsnorm"}, "source_hash": "ab12", "params": {"num_warps": 4},
+           "plan": {"launches": [{"grid": [1, 1, 1]}]}, "candidate_ms": 0.004, "stock_ms": 0.01,
+           "speedup": 2.5, "against": "torch.nn.functional.rms_norm", "noise_band": 0.01,
+           "imported_from": "cuda-0ther"}
+    e = Entry.from_json(raw)
+    assert Entry.from_json(json.loads(json.dumps(e.to_json()))) == e
+    assert e.to_json() == raw
+    assert e.describe_speedup() == "2.50x against torch.nn.functional.rms_norm"
+    with pytest.raises(TypeError):
+        e.params["num_warps"] = 8
+    with pytest.raises(TypeError):
+        e.plan["launches"][0]["grid"][0] = 9
+    import dataclasses
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        e.kernel = "softmax"
+    for bad, field in [({"dtype": "bfloat16", "shape": {}}, "kernel"),
+                       ({"kernel": "x", "dtype": "bfloat16", "shape": [1, 2]}, "shape"),
+                       ({"kernel": "x", "dtype": "bfloat16", "shape": {"M": "1"}}, "shape"),
+                       ({"kernel": "x", "dtype": "bfloat16", "shape": {}, "source": {"exec": "x"}}, "source"),
+                       ({"kernel": "x", "dtype": "bfloat16", "shape": {}, "speedup": "fast"}, "speedup"),
+                       ({"kernel": "x", "dtype": "bfloat16", "shape": {}, "range": {"M": [1]}}, "range")]:
+        with pytest.raises(EntryError, match=field):
+            Entry.from_json(bad)
+    table = DispatchTable({"format": 1, "entries": [raw, {"kernel": 3}]})
+    assert table.entries == [e] and len(table.invalid) == 1 and "kernel" in table.invalid[0]

@@ -89,16 +89,21 @@ def test_service_state_profile_drift_counters_and_last_tune(served):
 def test_kernel_speedups_come_from_the_dispatch_table_file(served, tmp_path):
     m, port = served
     table = {"entries": [
-        {"kernel": "rmsnorm", "shape": {"M": 4096, "N": 8192}, "dtype": "bfloat16", "speedup": 1.8},
-        {"kernel": "softmax", "shape_range": "N<=4096", "dtype": "float16", "stock_ms": 0.3, "time_ms": 0.2},
-        {"kernel": "matmul", "shape": [1, 4096, 4096], "dtype": "bfloat16"},  # no speedup: skipped
+        {"kernel": "rmsnorm", "shape": {"M": 4096, "N": 8192}, "dtype": "bfloat16", "speedup": 1.8,
+         "against": "torch.nn.functional.rms_norm"},
+        {"kernel": "softmax", "shape": {"M": 1, "N": 4096}, "range": {"M": [1, 16]}, "dtype": "float16",
+         "stock_ms": 0.3, "candidate_ms": 0.2},
+        {"kernel": "matmul", "shape": {"M": 1, "K": 4096, "N": 4096}, "dtype": "bfloat16"},  # no speedup
+        {"kernel": "matmul", "shape": [1, 4096, 4096], "dtype": "bfloat16", "speedup": 9.0},  # not an entry
     ]}
     path = tmp_path / "dispatch.json"
     path.write_text(json.dumps(table))
     assert m.load_dispatch_table(path) == 2
     v = scrape(port)
-    assert v["hwtune_kernel_speedup{dtype=bfloat16,kernel=rmsnorm,shape=M=4096,N=8192}"] == 1.8
-    assert v["hwtune_kernel_speedup{dtype=float16,kernel=softmax,shape=N<=4096}"] == pytest.approx(1.5)
+    assert v["hwtune_kernel_speedup{against=torch.nn.functional.rms_norm,dtype=bfloat16,kernel=rmsnorm,"
+             "shape=M=4096,N=8192}"] == 1.8
+    assert v["hwtune_kernel_speedup{against=stock,dtype=float16,kernel=softmax,shape=M=1,N=4096 Min[1,16]}"] \
+        == pytest.approx(1.5)
     # A reload replaces the rows: stale winners disappear.
     m.set_kernel_speedups([])
     assert not any(k.startswith("hwtune_kernel_speedup") for k in scrape(port))

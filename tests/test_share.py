@@ -53,8 +53,10 @@ def make_host(state: Path, fp, fp_id, entries, rows):
 
     with Ledger(state / "ledger.sqlite") as ledger:
         ledger.record(rows)
+    from kernelsearch.dispatch import Entry
+
     table = DispatchTable.empty()
-    table.entries = entries
+    table.entries = [Entry.from_json(e) for e in entries]
     table.data.update(fingerprint_id=fp_id, fingerprint=fp)
     table.save(table_path(state, fp_id))
 

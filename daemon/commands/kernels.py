@@ -45,6 +45,11 @@ def _print_table(verdict, out) -> None:
             how = f"{s.status}: drawn at random, checked (not timed)"
         print(f"{shape:<34} {s.dtype:<9} {err:>9} {_fmt_ms(s.candidate_ms):>10} {_fmt_ms(s.stock_ms):>10} "
               f"{speed:>8} {noise:>7}  {how}", file=out)
+    from kernelsearch.specs import SPECS
+
+    if verdict.kernel in SPECS:
+        print(f"speedup = stock_ms / cand_ms; stock is {SPECS[verdict.kernel].stock_name}, as a user calls it",
+              file=out)
     if verdict.isolation:
         print(f"sandbox for launch(): {', '.join(verdict.isolation)}", file=out)
 

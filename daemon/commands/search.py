@@ -85,6 +85,9 @@ def _table(result) -> str:
     lines.append(f"{result.kernel} on {result.fingerprint_id}: {kept}/{len(result.shapes)} shapes use a "
                  f"tuned kernel, the rest stay on stock; {result.evaluations} child runs"
                  f" ({result.resumed} results resumed from the ledger) in {result.elapsed_s:.0f} s")
+    from kernelsearch.specs import get_spec
+
+    lines.append(f"speedup = stock ms / best ms; stock is {get_spec(result.kernel).stock_name}, as a user calls it")
     if result.device == "cpu":
         lines.append("(cpu: Triton interpreter -- the times check the loop, they are not speeds)")
     lines.append(f"dispatch table: {result.table_path}")

@@ -178,6 +178,10 @@ class KernelSpec:
         """What a user runs (returns new tensors: no copy charged to stock). Timed as stock."""
         raise NotImplementedError
 
+    # What stock_call is, as a user would name it: every speedup printed or stored says it is
+    # against this.
+    stock_name: str = "stock"
+
 
 def itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype_from_name(dtype)).element_size()

@@ -22,6 +22,7 @@ class DecodeAttentionSpec(KernelSpec):
     name = "decode_attention"
     arg_names = ("q", "k_cache", "v_cache", "seq_lens", "scale")
     out_names = ("out",)
+    stock_name = "torch.nn.functional.scaled_dot_product_attention with a length mask"
     # 1e3-scaled q and k give scores ~1e6: every kernel degenerates to argmax; "wide" (x10)
     # keeps the softmax peaked but meaningful.
     distributions = ("normal", "tiny", "wide", "rows")

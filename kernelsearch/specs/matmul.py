@@ -18,6 +18,7 @@ class MatmulSpec(KernelSpec):
     name = "matmul"
     arg_names = ("a", "b")
     out_names = ("out",)
+    stock_name = "a @ b (cuBLAS)"
 
     def shapes(self, device: str) -> list[dict]:
         if device == "cpu":

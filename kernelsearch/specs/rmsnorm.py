@@ -27,6 +27,7 @@ class RmsNormSpec(KernelSpec):
     name = "rmsnorm"
     arg_names = ("x", "weight", "eps")
     out_names = ("out",)
+    stock_name = "torch.nn.functional.rms_norm"
 
     def shapes(self, device: str) -> list[dict]:
         if device == "cpu":  # Triton interpreter: small, but odd sizes, M=1 and several rows

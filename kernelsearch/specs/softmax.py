@@ -10,6 +10,7 @@ class SoftmaxSpec(KernelSpec):
     name = "softmax"
     arg_names = ("x",)
     out_names = ("out",)
+    stock_name = "torch.softmax"
 
     def shapes(self, device: str) -> list[dict]:
         if device == "cpu":
