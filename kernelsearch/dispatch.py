@@ -61,6 +61,21 @@ def _decode_attention_shape(args) -> dict:
     return {"B": int(b), "Hq": int(hq), "Hkv": int(hkv), "S": int(s), "D": int(d)}
 
 
+def _linear_shape(args) -> dict:
+    (m, k), n = args[0].shape, args[1].shape[0]
+    return {"M": int(m), "K": int(k), "N": int(n)}
+
+
+def _swiglu_shape(args) -> dict:
+    m, two_i = args[0].shape
+    return {"M": int(m), "I": int(two_i) // 2}
+
+
+def _rope_shape(args) -> dict:
+    b, hq, d = args[0].shape
+    return {"B": int(b), "Hq": int(hq), "Hkv": int(args[1].shape[1]), "D": int(d)}
+
+
 # How a call's arguments give the shape keys the specs' sweeps use.
 SHAPE_OF = {
     "rmsnorm": _x_shape,
@@ -68,6 +83,9 @@ SHAPE_OF = {
     "softmax": _x_shape,
     "matmul": _matmul_shape,
     "decode_attention": _decode_attention_shape,
+    "linear": _linear_shape,
+    "swiglu": _swiglu_shape,
+    "rope": _rope_shape,
 }
 
 

@@ -25,6 +25,27 @@ def test_honest_candidate_is_accepted_over_the_whole_cpu_sweep(kernel):
     assert doc["isolation"], "the sandbox says how it ran launch()"
 
 
+@pytest.mark.parametrize("kernel", ["linear", "swiglu", "rope"])
+def test_builtin_template_of_a_decode_kernel_is_accepted_over_the_whole_cpu_sweep(kernel):
+    proc = run_hwtune("check-kernel", kernel, ROOT / "kernelsearch" / "kernels" / f"{kernel}.py",
+                      "--device", "cpu", "--json", "--no-time", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["accepted"] and doc["guard"] is None
+    assert all(s["status"] == "ok" for s in doc["shapes"])
+    assert any(s["dtype"] == "bfloat16" for s in doc["shapes"])
+
+
+def test_rope_that_reads_one_half_of_cos_and_sin_is_rejected():
+    """Hugging Face duplicates the halves of cos/sin; the contract does not, so a kernel that
+    loads only the first half is wrong on the harness's inputs."""
+    proc = run_hwtune("check-kernel", "rope", CANDIDATES / "hack_rope_half_cos.py", "--device", "cpu",
+                      "--json", "--no-time", timeout=600)
+    assert proc.returncode == 1, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert not doc["accepted"] and doc["guard"] == "correctness"
+
+
 def test_json_document_carries_per_shape_timing_and_noise_band():
     proc = run_hwtune("check-kernel", "softmax", CANDIDATES / "honest_softmax.py", "--json", timeout=600)
     assert proc.returncode == 0, proc.stderr

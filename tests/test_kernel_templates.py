@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ["rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention"]
+KERNELS = ["rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention", "linear", "swiglu", "rope"]
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2  # the interpreter rounds fp32 -> bf16 by truncation
 
@@ -101,6 +101,24 @@ def _cases(kernel, mod):
                    # the last-arriving program reduces: counters must come back to zero
                    dict(variant="splitk", BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, REDUCE="last"),
                    dict(variant="splitk", BLOCK_N=64, BLOCK_K=16, SPLIT_K=16, FMA=1, REDUCE="last")]
+    elif kernel == "linear":
+        # (M, N, K); (20, 33, 100): K not a multiple of any BLOCK_K, N odd
+        shapes = [(1, 70, 200), (4, 64, 256), (16, 96, 128), (20, 33, 100), (40, 50, 64)]
+        configs = [dict(variant="tiled", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2),
+                   dict(variant="tiled", BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8),
+                   dict(variant="splitk", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1),
+                   dict(variant="splitk", BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3),
+                   dict(variant="splitk", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=4, FMA=1),
+                   dict(variant="splitk", BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, REDUCE="last"),
+                   dict(variant="splitk", BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, SPLIT_K=16, FMA=1, REDUCE="last")]
+    elif kernel == "swiglu":
+        shapes = [(1, 37), (5, 300), (3, 1500), (9, 64), (7, 1001)]
+        configs = [{}, dict(BLOCK=256, ROWS_PER_PROG=4, num_warps=2), dict(BLOCK=512, ROWS_PER_PROG=2),
+                   dict(BLOCK=4096, ROWS_PER_PROG=1, num_warps=8)]
+    elif kernel == "rope":
+        shapes = [(1, 4, 2, 64), (3, 6, 3, 34), (2, 3, 5, 16), (4, 32, 8, 128), (1, 1, 1, 2)]
+        configs = [{}, dict(HEADS_PER_PROG=1, num_warps=1), dict(HEADS_PER_PROG=4, num_warps=2),
+                   dict(HEADS_PER_PROG=32, num_warps=8)]
     else:
         shapes = [(2, 4, 2, 50, 16), (1, 6, 2, 130, 24), (3, 2, 2, 33, 32), (1, 8, 1, 16, 8)]
         configs = [dict(BLOCK_S=16, NUM_SPLITS=1), dict(BLOCK_S=32, NUM_SPLITS=4),
@@ -141,6 +159,35 @@ def _cases(kernel, mod):
             outs = dict(out=(M, N))
             ref = lambda i: dict(out=i["a"].double() @ i["b"].double())
             call = lambda i, o, p: mod.launch(i["a"], i["b"], o["out"], **p)
+        elif kernel == "linear":
+            M, N, K = shape
+            inp = dict(x=rnd(M, K, dtype=dtype), weight=rnd(N, K, dtype=dtype))
+            outs = dict(out=(M, N))
+            ref = lambda i: dict(out=i["x"].double() @ i["weight"].double().T)
+            call = lambda i, o, p: mod.launch(i["x"], i["weight"], o["out"], **p)
+        elif kernel == "swiglu":
+            M, I = shape
+            inp = dict(gate_up=rnd(M, 2 * I, dtype=dtype, scale=3.0))
+            outs = dict(out=(M, I))
+
+            def ref(i):
+                g, u = i["gate_up"].double().chunk(2, dim=-1)
+                return dict(out=g * torch.sigmoid(g) * u)
+            call = lambda i, o, p: mod.launch(i["gate_up"], o["out"], **p)
+        elif kernel == "rope":
+            B, Hq, Hkv, D = shape
+            ang = rnd(B, D, scale=3.0)
+            inp = dict(q=rnd(B, Hq, D, dtype=dtype), k=rnd(B, Hkv, D, dtype=dtype),
+                       cos=ang.cos().to(dtype), sin=ang.sin().to(dtype))
+            outs = dict(q_out=(B, Hq, D), k_out=(B, Hkv, D))
+
+            def ref(i):
+                c, s_ = i["cos"].double()[:, None], i["sin"].double()[:, None]
+                rot = lambda x: torch.cat((-x[..., D // 2:], x[..., :D // 2]), -1)
+                q, k = i["q"].double(), i["k"].double()
+                return dict(q_out=q * c + rot(q) * s_, k_out=k * c + rot(k) * s_)
+            call = lambda i, o, p: mod.launch(i["q"], i["k"], i["cos"], i["sin"], o["q_out"],
+                                              o["k_out"], **p)
         else:
             B, Hq, Hkv, S, D = shape
             lens = torch.randint(1, S + 1, (B,), generator=g, dtype=torch.int32)

@@ -10,8 +10,9 @@ from kernelsearch.specs import SPECS, dtype_from_name
 NAMES = sorted(SPECS)
 
 
-def test_registry_holds_the_five_builtin_kernels():
-    assert set(SPECS) == {"rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention"}
+def test_registry_holds_the_builtin_kernels():
+    assert set(SPECS) == {"rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention",
+                          "linear", "swiglu", "rope"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -20,7 +21,7 @@ def test_cpu_sweep_has_odd_sizes_one_row_and_a_bf16_case(name):
     assert any(s.get("dtype") == "bfloat16" for s in shapes)
     dims = [v for s in shapes for k, v in s.items() if k != "dtype"]
     assert any(v % 2 == 1 and v > 1 for v in dims)
-    lead = "B" if name == "decode_attention" else "M"
+    lead = "B" if name in ("decode_attention", "rope") else "M"
     assert min(s[lead] for s in shapes) == 1 and max(s[lead] for s in shapes) >= 3
 
 
@@ -97,3 +98,55 @@ def test_compare_never_passes_nan_and_names_unwritten_output():
     out[0] *= 1e-3  # one wrong row among correct ones
     _, problem = compare.compare("out", out, ref, 1e-2)
     assert problem.guard == "correctness" and "row 0" in problem.reason
+
+
+def test_linear_cuda_sweep_holds_llama3_8b_decode_projections_at_batch_1_and_32():
+    shapes = SPECS["linear"].shapes("cuda")
+    for m in (1, 32):
+        for k, n in [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)]:
+            assert {"M": m, "K": k, "N": n} in shapes
+
+
+@pytest.mark.parametrize("name", ["linear", "swiglu", "rope"])
+def test_stock_call_is_what_a_user_runs_and_matches_the_reference(name):
+    spec = SPECS[name]
+    g = torch.Generator().manual_seed(11)
+    for shape in spec.shapes("cpu"):
+        dims = {k: v for k, v in shape.items() if k != "dtype"}
+        dtype = dtype_from_name(shape.get("dtype", "float32"))
+        inputs = spec.make_inputs(dims, dtype, "cpu", g, "normal")
+        got = spec.stock_call(inputs)
+        ref = spec.reference(inputs)
+        for out_name in spec.out_names:
+            assert got[out_name].dtype == dtype
+            _, problem = compare.compare(out_name, got[out_name], ref[out_name], spec.tolerance(dtype))
+            assert problem is None, (shape, problem)
+
+
+def test_linear_is_x_times_the_transposed_nn_linear_weight():
+    spec = SPECS["linear"]
+    layer = torch.nn.Linear(5, 3, bias=False)
+    x = torch.randn(2, 5)
+    out = spec.stock_call({"x": x, "weight": layer.weight.detach()})["out"]
+    assert torch.allclose(out, layer(x).detach())
+    assert spec.input_meta({"M": 2, "K": 5, "N": 3}, torch.float32)["weight"][0] == (3, 5)
+
+
+def test_swiglu_gates_the_second_half_with_silu_of_the_first():
+    gate_up = torch.tensor([[1.0, -2.0, 3.0, 4.0]])
+    out = SPECS["swiglu"].reference({"gate_up": gate_up})["out"]
+    expect = torch.nn.functional.silu(gate_up[:, :2].double()) * gate_up[:, 2:].double()
+    assert torch.allclose(out, expect)
+
+
+def test_rope_matches_hugging_face_rotate_half_and_uses_both_halves_of_cos_and_sin():
+    spec = SPECS["rope"]
+    shape = {"B": 2, "Hq": 4, "Hkv": 2, "D": 8}
+    inputs = spec.make_inputs(shape, torch.float32, "cpu", torch.Generator().manual_seed(5), "normal")
+    # HF: q * cos + rotate_half(q) * sin with cos/sin unsqueezed over the heads
+    q, cos, sin = inputs["q"].double(), inputs["cos"].double(), inputs["sin"].double()
+    rot = torch.cat((-q[..., 4:], q[..., :4]), dim=-1)
+    assert torch.allclose(spec.reference(inputs)["q_out"], q * cos[:, None] + rot * sin[:, None])
+    # the halves are drawn independently: a kernel reading only cos[:, :D/2] is wrong
+    assert not torch.allclose(inputs["cos"][:, :4], inputs["cos"][:, 4:])
+    assert spec.valid_shape({"B": 1, "Hq": 1, "Hkv": 1, "D": 7}) == "D must be even"

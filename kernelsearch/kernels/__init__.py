@@ -16,6 +16,9 @@ TEMPLATES = {
     "softmax": "kernelsearch.kernels.softmax",
     "matmul": "kernelsearch.kernels.matmul",
     "decode_attention": "kernelsearch.kernels.decode_attention",
+    "linear": "kernelsearch.kernels.linear",
+    "swiglu": "kernelsearch.kernels.swiglu",
+    "rope": "kernelsearch.kernels.rope",
 }
 
 

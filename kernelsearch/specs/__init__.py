@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from kernelsearch.specs.base import (DISTRIBUTIONS, DTYPES, KernelSpec, dtype_from_name,
                                      dtype_name)
-from kernelsearch.specs import add_rmsnorm, decode_attention, matmul, rmsnorm, softmax
+from kernelsearch.specs import (add_rmsnorm, decode_attention, linear, matmul, rmsnorm, rope, softmax,
+                               swiglu)
 
 SPECS: dict[str, KernelSpec] = {
     "rmsnorm": rmsnorm.SPEC,
@@ -11,6 +12,9 @@ SPECS: dict[str, KernelSpec] = {
     "softmax": softmax.SPEC,
     "matmul": matmul.SPEC,
     "decode_attention": decode_attention.SPEC,
+    "linear": linear.SPEC,
+    "swiglu": swiglu.SPEC,
+    "rope": rope.SPEC,
 }
 
 

@@ -1,0 +1,267 @@
+"""Linear template (nn.Linear without bias): out[M, N] = x[M, K] @ weight[N, K].T.
+
+The matmul template's two variants, for a weight stored the way nn.Linear stores it: each
+output feature is one contiguous row of K values, so the weight is always read along K
+([BLOCK_N, BLOCK_K] tiles, 16-byte loads along K) and multiplied through tl.trans.
+- "tiled" (prefill shapes): each program computes a BLOCK_M x BLOCK_N tile with tl.dot over
+  BLOCK_K steps, programs ordered in GROUP_M-tall groups so that neighbours share tiles of x
+  and of the weight in L2.
+- "splitk" (decode shapes, M = batch): a weight-streaming GEMV/GEMM. Each program streams a
+  [BLOCK_N, BLOCK_K] slab of the weight per step and covers one of SPLIT_K ranges of K, so that
+  N / BLOCK_N column blocks x SPLIT_K programs fill the chip. The rows of x go through tl.dot
+  (padded to at least 16; BLOCK_M caps the rows per program, so batch 32 streams the weight
+  once with BLOCK_M >= 32) or, with FMA=1 (batch 1-4), a broadcast multiply into a
+  [rows, BLOCK_N, BLOCK_K] fp32 accumulator summed over K at the end. Partial sums go to an
+  fp32 workspace [SPLIT_K, M, N] summed in a fixed order (deterministic, no float atomics):
+  by a second kernel (REDUCE="launch") or by the program that arrives last at its tile
+  (REDUCE="last": a CTA barrier, then an acq_rel arrival counter, as in the matmul template;
+  the counters are allocated zeroed once per device and set back to 0 by the last program,
+  so CUDA graphs need no fill kernel). One split writes `out` directly.
+fp32 accumulation, cast on store; fp32 operands use exact (ieee) dots, the interpreter's bf16
+arithmetic being wrong, operands are upcast on the CPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SPACE = {
+    "variant": ["tiled", "splitk"],
+    "BLOCK_M": [16, 32, 64, 128],      # splitk: the most rows of x one program takes
+    "BLOCK_N": [16, 32, 64, 128, 256],
+    "BLOCK_K": [32, 64, 128, 256],
+    "GROUP_M": [8],
+    "SPLIT_K": [1, 2, 4, 8, 16],       # tiled: 1
+    "FMA": [0, 1],                     # splitk only: broadcast multiply instead of tl.dot
+    "num_warps": [4, 8],
+    "num_stages": [2, 3, 4],
+    "REDUCE": ["launch", "last"],      # splitk: second kernel, or the last-arriving program
+}
+
+SMEM_LIMIT_BYTES = 220 * 1024          # Hopper allows 227 KB per block; keep a margin
+FMA_MAX_ELEMS = 16384                  # rows x BLOCK_N x BLOCK_K fp32 products in registers
+
+
+def _valid(p: dict) -> bool:
+    smem = (p["BLOCK_M"] * p["BLOCK_K"] + p["BLOCK_K"] * p["BLOCK_N"]) * 2 * p["num_stages"]
+    if smem > SMEM_LIMIT_BYTES:
+        return False
+    if p["variant"] == "tiled":
+        return p["SPLIT_K"] == 1 and not p["FMA"] and p["BLOCK_K"] <= 128 and p["REDUCE"] == "launch"
+    if p["FMA"]:
+        return p["BLOCK_M"] == 16 and p["BLOCK_N"] * p["BLOCK_K"] <= FMA_MAX_ELEMS // 2
+    return p["BLOCK_K"] >= 64
+
+
+def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="launch", fma=0):
+    return {"variant": variant, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
+            "SPLIT_K": sk, "FMA": fma, "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
+
+
+# Curated, not the product of SPACE (the search reaches only part of a big space in its budget).
+# Decode projections stream the weight once: what matters is bytes in flight per SM and a grid
+# of about 1-4 waves of programs (N / BLOCK_N x SPLIT_K), with no second launch. Batch 1: the
+# FMA GEMV; batch 32: tl.dot with all 32 rows in one program (the weight is read once).
+_FMA = [(bn, bk, sk) for bn, bk in [(32, 128), (64, 64), (16, 256), (32, 256)] for sk in (1, 2, 4, 8)]
+CONFIGS = [_cfg("splitk", 16, bn, bk, sk, 4, 3, "last" if sk > 1 else "launch", fma=1)
+           for bn, bk, sk in _FMA]
+CONFIGS += [_cfg("splitk", bm, bn, bk, sk, 4, st, "last" if sk > 1 else "launch")
+            for bm in (16, 32) for bn, bk, st in [(64, 128, 3), (128, 128, 3), (64, 256, 2), (128, 64, 4)]
+            for sk in (1, 4, 8)]
+CONFIGS += [_cfg("splitk", 64, 64, 128, 4, 8, 3, "last"), _cfg("splitk", 16, 64, 128, 4, 4, 3),
+            _cfg("tiled", 128, 128, 64, 1, 8, 3), _cfg("tiled", 128, 256, 64, 1, 8, 3),
+            _cfg("tiled", 64, 128, 64, 1, 4, 4), _cfg("tiled", 128, 64, 64, 1, 4, 4),
+            _cfg("tiled", 16, 64, 64, 1, 4, 3), _cfg("tiled", 64, 64, 32, 1, 4, 4)]
+CONFIGS = [p for p in CONFIGS if _valid(p)]
+
+
+@triton.jit
+def _tiled_kernel(x_ptr, w_ptr, c_ptr, M, N, K, s_xm, s_xk, s_wn, s_wk, s_cm, s_cn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Rows and features past the edge re-read valid ones (wrap); only the store is masked.
+    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + rk[None, :] * s_xk
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * s_wn + rk[None, :] * s_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(x_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            w = tl.load(w_ptrs, mask=rk[None, :] < k_left, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * s_xk
+        w_ptrs += BLOCK_K * s_wk
+    c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["k_per_split"])
+def _splitk_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, k_per_split,
+                   s_xm, s_xk, s_wn, s_wk, s_cm, s_cn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   FMA: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
+                   UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   LAST_REDUCES: tl.constexpr, SPLITS: tl.constexpr, RED_M: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = min(k_lo + k_per_split, K)
+    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
+    if FMA:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = (k + rk)[None, :] < K
+            a = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+        if FMA:
+            acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        else:
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * s_xk
+        w_ptrs += BLOCK_K * s_wk
+    if FMA:
+        acc = tl.sum(acc3, axis=2)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if DIRECT:
+        c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws_ptrs = ws_ptr + (pid_k * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(ws_ptrs, acc, mask=mask)
+        if LAST_REDUCES:
+            # Every thread's partial is stored before one thread's release (CTA barrier).
+            tl.debug_barrier()
+            counter = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == SPLITS - 1:
+                # Rows in RED_M-row slices: batch 1 reads one row per split, not BLOCK_M.
+                rr = tl.arange(0, RED_M)
+                n_ok = rn[None, :] < N
+                for m0 in range(0, tl.minimum(M - pid_m * BLOCK_M, BLOCK_M), RED_M):
+                    rows = pid_m * BLOCK_M + m0 + rr
+                    rmask = (rows[:, None] < M) & n_ok
+                    total = tl.zeros([RED_M, BLOCK_N], dtype=tl.float32)
+                    for sk in tl.static_range(SPLITS):  # fixed order: the same bits every run
+                        part = ws_ptr + (sk * M + rows).to(tl.int64)[:, None] * N + rn[None, :]
+                        total += tl.load(part, mask=rmask, other=0.0, cache_modifier=".cg")
+                    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+                    tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=rmask)
+                tl.atomic_xchg(counter, 0, sem="relaxed")  # ready for the next launch
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, c_ptr, M, N, SPLITS, s_cm, s_cn, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mn = M * N
+    mask = offs < mn
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    ptrs = ws_ptr + offs
+    for _ in range(0, SPLITS):  # fixed order: the same bits every run
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += mn
+    m = offs // N
+    n = offs % N
+    tl.store(c_ptr + m * s_cm + n * s_cn, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _dot_args(x):
+    # fp32 operands: exact products (tl.dot would default to tf32). The interpreter's bf16
+    # arithmetic is wrong, so on the CPU operands are upcast before tl.dot.
+    upcast = x.device.type != "cuda"
+    return upcast, ("ieee" if x.dtype == torch.float32 or upcast else "tf32")
+
+
+_counters: dict = {}  # device -> int32 arrival counters, zero between launches
+
+
+def _arrival_counters(device, n: int):
+    key = str(device)
+    cnt = _counters.get(key)
+    if cnt is None or cnt.numel() < n:
+        cnt = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _counters[key] = cnt
+    return cnt
+
+
+def launch(x, weight, out, variant="splitk", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8,
+           SPLIT_K=1, FMA=0, num_warps=4, num_stages=3, REDUCE="launch"):
+    M, K = x.shape
+    N, K2 = weight.shape
+    if K2 != K or tuple(out.shape) != (M, N):
+        raise ValueError(f"linear shapes x{tuple(x.shape)} weight{tuple(weight.shape)} out{tuple(out.shape)}")
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        raise ValueError("linear template needs K > 0")
+    upcast, precision = _dot_args(x)
+    even_k = K % BLOCK_K == 0
+    if variant == "tiled":
+        grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N),)
+        _tiled_kernel[grid](x, weight, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0),
+                            weight.stride(1), out.stride(0), out.stride(1),
+                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+                            EVEN_K=even_k, UPCAST=upcast, DOT_PRECISION=precision,
+                            num_warps=num_warps, num_stages=num_stages)
+        return out
+    if variant != "splitk":
+        raise ValueError(f"unknown linear variant {variant!r}")
+    if REDUCE not in ("launch", "last"):
+        raise ValueError(f"unknown linear REDUCE {REDUCE!r}")
+    rows = triton.next_power_of_2(M)
+    if FMA:
+        # As many rows per program as the register budget allows (valid for any M; a larger
+        # M re-streams the weight once per row block). All factors are powers of two.
+        block_m = max(1, min(rows, BLOCK_M, FMA_MAX_ELEMS // (BLOCK_K * BLOCK_N)))
+    else:
+        block_m = max(16, min(rows, BLOCK_M))  # tl.dot needs at least 16 rows
+    k_per_split = triton.cdiv(triton.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    splits = triton.cdiv(K, k_per_split)
+    direct = splits == 1
+    last = REDUCE == "last" and not direct
+    ws = out if direct else torch.empty((splits, M, N), device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(N, BLOCK_N), splits, triton.cdiv(M, block_m))
+    cnt = _arrival_counters(x.device, grid[0] * grid[2]) if last else ws
+    _splitk_kernel[grid](x, weight, ws, out, cnt, M, N, K, k_per_split, x.stride(0), x.stride(1),
+                         weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+                         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, FMA=FMA, DIRECT=direct,
+                         EVEN_K=even_k, UPCAST=upcast, DOT_PRECISION=precision,
+                         LAST_REDUCES=last, SPLITS=splits, RED_M=min(rows, block_m),
+                         num_warps=num_warps, num_stages=num_stages)
+    if not direct and not last:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](ws, out, M, N, splits, out.stride(0),
+                                                            out.stride(1), BLOCK=block, num_warps=4)
+    return out
