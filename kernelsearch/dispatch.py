@@ -342,16 +342,20 @@ def _load_tuned(entry: Entry):
 
 
 _DEFAULT: DispatchTable | None = None
+_EMPTY = DispatchTable.empty()
 
 
 def call(kernel: str, *args):
     """Module-level entry point: the table set by `use(table)`, else all stock."""
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = DispatchTable.empty()
-    return _DEFAULT.call(kernel, *args)
+    return (_DEFAULT if _DEFAULT is not None else _EMPTY).call(kernel, *args)
 
 
-def use(table: DispatchTable) -> None:
+def use(table: DispatchTable | None) -> None:
+    """Set the table that `call` (and the hwtune torch ops) route through; None: all stock."""
     global _DEFAULT
     _DEFAULT = table
+
+
+def current() -> DispatchTable | None:
+    """The table set by `use(table)`, None when none is set."""
+    return _DEFAULT

@@ -1,0 +1,186 @@
+"""hwtune's kernels as torch custom ops (namespace `hwtune`), routed per shape by a dispatch table.
+
+    torch.ops.hwtune.rms_norm(x, weight, eps)                 x [..., N]
+    torch.ops.hwtune.add_rms_norm(x, residual, weight, eps)   -> (out, residual_out)
+    torch.ops.hwtune.linear(x, weight)                        x [..., K], weight [N, K]
+    torch.ops.hwtune.swiglu(gate_up)                          gate_up [..., 2I] -> [..., I]
+    torch.ops.hwtune.rope(q, k, cos, sin)                     q [..., Hq, D], k [..., Hkv, D],
+                                                              cos, sin [..., D] -> (q_out, k_out)
+    torch.ops.hwtune.decode_attention(q, k_cache, v_cache, seq_lens, scale)
+                                                              q [B, Hq, D], caches [B, Hkv, S, D]
+
+Each op has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through it as
+one opaque node and CUDA graphs capture whatever it launches. The real implementation flattens
+the leading dimensions into the spec's rows, looks the call's shape up in the table and runs
+the verified launch plan of a tuned entry there; any other shape (or dtype, device, layout)
+runs the spec's `stock_call`, what a user would have run (F.rms_norm, F.linear, SDPA...).
+
+Which table: every op takes a trailing `table` int (default 0). 0 is the table set by
+`kernelsearch.dispatch.use(table)` (none set: all stock); another value is a handle from
+`table_handle(table)`, which is how `integrations.transformers.patch(model, table=...)` gives a
+model its own table without touching the process-wide one. Under CUDA graphs the route is
+taken once, at capture.
+
+Inference only: no autograd formula is registered.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from kernelsearch import dispatch
+from kernelsearch.specs import get_spec
+
+_TABLES: dict[int, dispatch.DispatchTable] = {}
+_HANDLES = itertools.count(1)
+
+
+def table_handle(table: dispatch.DispatchTable) -> int:
+    """The op argument that selects `table` (the same handle for the same table object)."""
+    for handle, known in _TABLES.items():
+        if known is table:
+            return handle
+    handle = next(_HANDLES)
+    _TABLES[handle] = table
+    return handle
+
+
+def table_of(handle: int) -> dispatch.DispatchTable | None:
+    if handle == 0:
+        return dispatch.current()
+    try:
+        return _TABLES[handle]
+    except KeyError:
+        raise ValueError(f"hwtune ops: no table with handle {handle} (see ops.table_handle)") from None
+
+
+def run(kernel: str, handle: int, *args) -> tuple:
+    """One call of `kernel` on contract-shaped `args`: tuned where the table has the shape, else
+    the spec's stock_call. Returns the outputs in the spec's order (new tensors)."""
+    spec = get_spec(kernel)
+    table = table_of(handle)
+    tuned = None
+    if table is not None and table.entries:
+        tuned, _, _ = table.route(kernel, *args)
+        route = "tuned" if tuned is not None else "stock"
+        table.counts[(kernel, route)] = table.counts.get((kernel, route), 0) + 1
+    if tuned is not None:
+        first = args[0]
+        outputs = spec.make_outputs(dispatch.SHAPE_OF[kernel](args), first.dtype, first.device)
+        tuned(args, outputs)
+    else:
+        outputs = spec.stock_call(dict(zip(spec.arg_names, args)))
+    # contiguous, as the fake implementations promise (SDPA may hand back a transposed layout)
+    return tuple(outputs[n].contiguous() for n in spec.out_names)
+
+
+def _same_dtype(op: str, *tensors) -> None:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise ValueError(f"hwtune::{op}: tensors must share one dtype, got {sorted(map(str, dtypes))}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., N] as a contiguous [M, N] (a view when x is already contiguous)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+# --- rms_norm -------------------------------------------------------------------------------
+@torch.library.custom_op("hwtune::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, table: int = 0) -> torch.Tensor:
+    _same_dtype("rms_norm", x, weight)
+    (out,) = run("rmsnorm", table, _rows(x), weight.contiguous(), float(eps))
+    return out.view(x.shape)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps, table=0):
+    _same_dtype("rms_norm", x, weight)
+    return x.new_empty(x.shape)
+
+
+# --- add_rms_norm ---------------------------------------------------------------------------
+@torch.library.custom_op("hwtune::add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 table: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    _same_dtype("add_rms_norm", x, residual, weight)
+    out, residual_out = run("add_rmsnorm", table, _rows(x), _rows(residual), weight.contiguous(),
+                            float(eps))
+    return out.view(x.shape), residual_out.view(x.shape)
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps, table=0):
+    _same_dtype("add_rms_norm", x, residual, weight)
+    return x.new_empty(x.shape), x.new_empty(x.shape)
+
+
+# --- linear ---------------------------------------------------------------------------------
+@torch.library.custom_op("hwtune::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, table: int = 0) -> torch.Tensor:
+    _same_dtype("linear", x, weight)
+    (out,) = run("linear", table, _rows(x), weight.contiguous())
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@linear.register_fake
+def _(x, weight, table=0):
+    _same_dtype("linear", x, weight)
+    torch._check(x.shape[-1] == weight.shape[1])
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# --- swiglu ---------------------------------------------------------------------------------
+@torch.library.custom_op("hwtune::swiglu", mutates_args=())
+def swiglu(gate_up: torch.Tensor, table: int = 0) -> torch.Tensor:
+    (out,) = run("swiglu", table, _rows(gate_up))
+    return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@swiglu.register_fake
+def _(gate_up, table=0):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+# --- rope -----------------------------------------------------------------------------------
+@torch.library.custom_op("hwtune::rope", mutates_args=())
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         table: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    _same_dtype("rope", q, k, cos, sin)
+    lead, d = q.shape[:-2], q.shape[-1]
+    # cos/sin may come broadcast over the batch (Hugging Face's position_ids of batch 1)
+    cos = cos.expand(*lead, d).reshape(-1, d).contiguous()
+    sin = sin.expand(*lead, d).reshape(-1, d).contiguous()
+    q_out, k_out = run("rope", table, q.reshape(-1, q.shape[-2], d).contiguous(),
+                       k.reshape(-1, k.shape[-2], d).contiguous(), cos, sin)
+    return q_out.view(q.shape), k_out.view(k.shape)
+
+
+@rope.register_fake
+def _(q, k, cos, sin, table=0):
+    _same_dtype("rope", q, k, cos, sin)
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+# --- decode_attention -----------------------------------------------------------------------
+@torch.library.custom_op("hwtune::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, table: int = 0) -> torch.Tensor:
+    _same_dtype("decode_attention", q, k_cache, v_cache)
+    (out,) = run("decode_attention", table, q.contiguous(), k_cache.contiguous(),
+                 v_cache.contiguous(), seq_lens.to(torch.int32).contiguous(), float(scale))
+    return out
+
+
+@decode_attention.register_fake
+def _(q, k_cache, v_cache, seq_lens, scale, table=0):
+    _same_dtype("decode_attention", q, k_cache, v_cache)
+    return q.new_empty(q.shape)
+
+
+OPS = {"rms_norm": "rmsnorm", "add_rms_norm": "add_rmsnorm", "linear": "linear", "swiglu": "swiglu",
+       "rope": "rope", "decode_attention": "decode_attention"}  # op name -> kernel (spec) name
+
+__all__ = ["rms_norm", "add_rms_norm", "linear", "swiglu", "rope", "decode_attention", "table_handle",
+           "table_of", "run", "OPS"]

@@ -1,0 +1,202 @@
+"""hwtune's torch custom ops: fake implementations that trace, stock results without a table,
+and a tuned entry's verified plan where the table has the call's shape.
+
+The tuned path runs real Triton kernels under the interpreter, in a child process
+(TRITON_INTERPRET must be set before triton is imported).
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernelsearch import dispatch, ops  # noqa: F401  (registers torch.ops.hwtune.*)
+
+from conftest import ROOT
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)
+    return {
+        "rms_norm": (r(2, 3, 64), r(64), 1e-6),
+        "add_rms_norm": (r(2, 3, 64), r(2, 3, 64), r(64), 1e-5),
+        "linear": (r(2, 3, 64), r(48, 64)),
+        "swiglu": (r(2, 3, 64),),
+        # prefill layout [B, T, H, D] with cos/sin broadcast over the batch (position_ids [1, T])
+        "rope": (r(2, 3, 4, 16), r(2, 3, 2, 16), r(1, 3, 16), r(1, 3, 16)),
+        "decode_attention": (r(2, 4, 16), r(2, 2, 10, 16), r(2, 2, 10, 16),
+                             torch.tensor([3, 10], dtype=torch.int32), 0.25),
+    }
+
+
+def _stock(name, args):
+    """What a user runs instead of each op."""
+    if name == "rms_norm":
+        x, w, eps = args
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    if name == "add_rms_norm":
+        x, res, w, eps = args
+        s = x + res
+        return F.rms_norm(s, (s.shape[-1],), w, eps), s
+    if name == "linear":
+        return F.linear(*args)
+    if name == "swiglu":
+        g, u = args[0].chunk(2, dim=-1)
+        return F.silu(g) * u
+    if name == "rope":
+        q, k, cos, sin = args
+        rot = lambda x: torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), -1)
+        c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+        return q * c + rot(q) * s, k * c + rot(k) * s
+    q, k, v, lens, scale = args
+    mask = (torch.arange(k.shape[2])[None, :] < lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.squeeze(2)
+
+
+@pytest.mark.parametrize("name", sorted(ops.OPS))
+def test_op_passes_torch_library_opcheck_schema_fake_and_aot_dispatch(name):
+    result = torch.library.opcheck(getattr(torch.ops.hwtune, name), _cases()[name])
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("name", sorted(ops.OPS))
+def test_op_without_a_table_returns_exactly_what_the_stock_call_returns(name):
+    assert dispatch.current() is None
+    args = _cases()[name]
+    got = getattr(torch.ops.hwtune, name)(*args)
+    want = _stock(name, args)
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.is_contiguous()
+        assert torch.equal(g, w)
+
+
+def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    cases = _cases()
+
+    def block(x, w, W, gate_up_w, q, k, cos, sin, kc, vc, lens):
+        h = torch.ops.hwtune.rms_norm(x, w, 1e-6)
+        h, res = torch.ops.hwtune.add_rms_norm(h, x, w, 1e-6)
+        y = torch.ops.hwtune.swiglu(torch.ops.hwtune.linear(h, gate_up_w))
+        y = torch.ops.hwtune.linear(y, W)
+        q2, k2 = torch.ops.hwtune.rope(q, k, cos, sin)
+        a = torch.ops.hwtune.decode_attention(q2[:, 0], kc, vc, lens, 0.25)
+        return y + res[..., :48].sum(), a
+
+    x, w = cases["rms_norm"][:2]
+    args = (x, w, torch.randn(48, 32), torch.randn(64, 64), *cases["rope"],
+            *cases["decode_attention"][1:4])
+    args = list(args)
+    args[4] = torch.randn(2, 1, 4, 16)        # q: decode layout [B, 1, H, D]
+    args[5] = torch.randn(2, 1, 2, 16)
+    args[6] = torch.randn(2, 1, 16)
+    args[7] = torch.randn(2, 1, 16)
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
+    for got, want in zip(compiled(*args), block(*args)):
+        assert torch.equal(got, want)
+    for op in ops.OPS:
+        assert f"hwtune.{op}" in seen, (op, seen)
+    aot = torch.compile(block, fullgraph=True, backend="aot_eager")
+    for got, want in zip(aot(*args), block(*args)):
+        assert torch.equal(got, want)
+
+
+def test_a_table_handle_routes_through_that_table_and_counts_stock_per_shape():
+    table = dispatch.DispatchTable({"format": 1, "fingerprint_id": "another-device", "entries": [
+        {"kernel": "linear", "dtype": "float32", "shape": {"M": 6, "K": 64, "N": 48}, "params": {}}]})
+    handle = ops.table_handle(table)
+    assert ops.table_handle(table) == handle and handle != 0
+    x, W = _cases()["linear"]
+    assert torch.equal(torch.ops.hwtune.linear(x, W, handle), F.linear(x, W))
+    assert table.counts == {("linear", "stock"): 1}   # another device's table: stock
+    with pytest.raises(ValueError, match="no table with handle"):
+        ops.table_of(10_000)
+
+
+CHILD = textwrap.dedent('''
+    import json, sys
+    import torch
+    import torch.nn.functional as F
+    from kernelsearch import dispatch, ops
+    from tests.tuned_tables import verified_table
+
+    B, H, HKV, D, S = 2, 4, 2, 16, 24
+    table = verified_table([
+        ("rmsnorm", {"M": B, "N": 64}, "float32", {}),
+        ("linear", {"M": B, "K": 64, "N": 96}, "float32",
+         {"variant": "splitk", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8,
+          "SPLIT_K": 2, "FMA": 1, "num_warps": 4, "num_stages": 2, "REDUCE": "last"}),
+        ("swiglu", {"M": B, "I": 48}, "float32", {}),
+        ("rope", {"B": B, "Hq": H, "Hkv": HKV, "D": D}, "float32", {}),
+        ("decode_attention", {"B": B, "Hq": H, "Hkv": HKV, "S": S, "D": D}, "float32",
+         {"BLOCK_S": 16, "NUM_SPLITS": 2, "num_warps": 4, "num_stages": 1}),
+    ])
+    dispatch.use(table)          # handle 0: the process-wide table
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g)
+    x, w, W = r(B, 1, 64), r(64), r(96, 64)
+    q, k, cos, sin = r(B, 1, H, D), r(B, 1, HKV, D), r(B, 1, D), r(B, 1, D)
+    kc, vc, lens = r(B, HKV, S, D), r(B, HKV, S, D), torch.tensor([S, 5], dtype=torch.int32)
+
+    def step(x, w, W, q, k, cos, sin, kc, vc, lens):
+        h = torch.ops.hwtune.rms_norm(x, w, 1e-6)
+        y = torch.ops.hwtune.swiglu(torch.ops.hwtune.linear(h, W))
+        q2, k2 = torch.ops.hwtune.rope(q, k, cos, sin)
+        a = torch.ops.hwtune.decode_attention(q2[:, 0], kc, vc, lens, D ** -0.5)
+        return y, q2, k2, a
+
+    def stock(x, w, W, q, k, cos, sin, kc, vc, lens):
+        h = F.rms_norm(x, (64,), w, 1e-6)
+        gu = F.linear(h, W)
+        y = F.silu(gu[..., :48]) * gu[..., 48:]
+        rot = lambda t: torch.cat((-t[..., D // 2:], t[..., :D // 2]), -1)
+        c, s = cos[:, :, None], sin[:, :, None]
+        q2, k2 = q * c + rot(q) * s, k * c + rot(k) * s
+        mask = (torch.arange(S)[None, :] < lens[:, None])[:, None, None, :]
+        a = F.scaled_dot_product_attention(q2[:, 0].unsqueeze(2), kc, vc, attn_mask=mask,
+                                           scale=D ** -0.5, enable_gqa=True).squeeze(2)
+        return y, q2, k2, a
+
+    args = (x, w, W, q, k, cos, sin, kc, vc, lens)
+    want = stock(*args)
+    report = {}
+    eager = step(*args)
+    report["eager_counts"] = {f"{k}:{r}": n for (k, r), n in table.counts.items()}
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+    report["err"] = [max(float((a - b).abs().max()) for a, b in zip(got, want))
+                     for got in (eager, compiled)]
+    table.counts.clear()
+    # another batch size: no entry, stock
+    x3 = r(3, 1, 64)
+    out = torch.ops.hwtune.linear(torch.ops.hwtune.rms_norm(x3, w, 1e-6), W)
+    report["err_other"] = float((out - F.linear(F.rms_norm(x3, (64,), w, 1e-6), W)).abs().max())
+    report["other_counts"] = {f"{k}:{r}": n for (k, r), n in table.counts.items()}
+    print(json.dumps(report))
+''')
+
+
+def test_tuned_entries_run_their_verified_plans_eager_and_compiled_and_other_shapes_go_stock():
+    env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+           "HOME": os.environ.get("HOME", "/root")}
+    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, text=True, capture_output=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["eager_counts"] == {f"{k}:tuned": 1 for k in
+                                      ("rmsnorm", "linear", "swiglu", "rope", "decode_attention")}
+    assert max(report["err"]) < 1e-4
+    assert report["other_counts"] == {"rmsnorm:stock": 1, "linear:stock": 1}
+    assert report["err_other"] == 0.0
