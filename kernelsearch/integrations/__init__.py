@@ -1,0 +1,1 @@
+"""Integrations of hwtune's ops into other libraries' models (one module per library)."""

@@ -1,0 +1,448 @@
+"""Hugging Face transformers: run a Llama-family model's decode step through hwtune's ops.
+
+    from kernelsearch.integrations.transformers import patch, unpatch
+    report = patch(model, table=DispatchTable.for_device(state_dir))   # in place
+    ...                                                                 # generate, compile, ...
+    unpatch(model)                                                      # the original modules back
+
+`patch` swaps modules of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
+Qwen3ForCausalLM for plain modules with the same interface (as Liger Kernel does); nothing else
+of the model changes:
+- every RMSNorm (the decoder layers', the final norm, Qwen3's per-head q_norm / k_norm) ->
+  hwtune::rms_norm;
+- the MLP -> one gate|up projection (hwtune::linear on the two weights concatenated),
+  hwtune::swiglu, then hwtune::linear for down;
+- attention -> one q|k|v projection (biases concatenated too, Qwen2 has them), hwtune::rope on
+  the model's own cos/sin (any RoPE variant the model computes arrives folded into them), the
+  cache's own update (the KV write stays stock: the harness has no in/out argument), then at
+  decode (one token, a StaticCache full-attention layer, an SDPA or eager mask)
+  hwtune::decode_attention over the whole static cache with each sequence's valid length read
+  from the mask; anywhere else (prefill, other caches) the model's own attention function;
+  o_proj through hwtune::linear;
+- lm_head -> hwtune::linear.
+Each op looks its shape up in the dispatch table: a tuned, verified kernel where the search
+found one, stock (what the model would have run) everywhere else.
+
+The fused weights are the only copy: the original q/k/v (gate/up) parameters become views into
+them, so memory does not grow; `unpatch` gives each parameter its own storage back. The
+parameters, their names and state_dict keys never change. Save a model after `unpatch`
+(safetensors refuses tensors that share storage).
+
+A configuration the patch does not handle stays stock, with one line saying what and why, in the
+report and in the log: no dispatch table, an unknown model class, quantized or non-float
+weights, weights managed by accelerate hooks, a sliding window (those layers' attention), an
+unknown RoPE type or partial rotary (the attention). Padding: the decode kernel takes one valid
+length per sequence (positions 0..L-1); a padded row breaks that. Eagerly the patched attention
+checks the mask and runs the model's own attention when a row is padded; under torch.compile
+(no host sync) such a row's output is NaN instead of silently wrong.
+
+Inference only: hwtune's ops have no backward; a module in training mode runs the original.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers.cache_utils import StaticLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kernelsearch import dispatch, ops
+
+log = logging.getLogger("hwtune.transformers")
+
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# RoPE types whose cos/sin the model's rotary module computes at full head_dim and applies with
+# rotate_half: hwtune::rope takes cos/sin as inputs, so it is right for all of them.
+KNOWN_ROPE = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+ACTIVATIONS = ("silu", "swish")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class PatchReport:
+    model: str
+    table: str = ""
+    patched: dict[str, int] = field(default_factory=dict)   # part -> modules swapped
+    stock: list[str] = field(default_factory=list)          # one line per configuration left stock
+
+    def lines(self) -> list[str]:
+        done = ", ".join(f"{n} {part}" for part, n in self.patched.items()) or "nothing"
+        return [f"hwtune patch {self.model}: {done}" + (f" ({self.table})" if self.table else "")] + \
+            [f"  stock: {line}" for line in self.stock]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+@dataclass
+class _Record:
+    """What unpatch needs: (parent, attribute, original module) in patch order, and the
+    parameters whose storage became a view of a fused weight."""
+    swaps: list = field(default_factory=list)
+    shared: list = field(default_factory=list)
+    report: PatchReport | None = None
+
+
+# --- the patched modules ---------------------------------------------------------------------
+class HwtuneRMSNorm(nn.Module):
+    """RMSNorm through hwtune::rms_norm; same `weight` parameter and `variance_epsilon`."""
+
+    def __init__(self, original: nn.Module, table: int):
+        super().__init__()
+        self.weight = original.weight
+        self.variance_epsilon = float(original.variance_epsilon)
+        self.table = table
+        self._hwtune_original = [original]   # a list: not registered as a submodule
+
+    def forward(self, hidden_states):
+        if self.training or hidden_states.dtype != self.weight.dtype:
+            return self._hwtune_original[0](hidden_states)
+        return torch.ops.hwtune.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.table)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, table={self.table}"
+
+
+class HwtuneLinear(nn.Module):
+    """nn.Linear through hwtune::linear (the lm_head); same `weight` (and `bias`) parameters."""
+
+    def __init__(self, original: nn.Linear, table: int):
+        super().__init__()
+        self.weight = original.weight
+        self.bias = original.bias
+        self.in_features, self.out_features = original.in_features, original.out_features
+        self.table = table
+        self._hwtune_original = [original]
+
+    def forward(self, x):
+        if self.training:
+            return self._hwtune_original[0](x)
+        return _linear(x, self.weight, self.bias, self.table)
+
+
+class HwtuneMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) as hwtune::linear on gate|up, hwtune::swiglu, hwtune::linear."""
+
+    def __init__(self, original: nn.Module, table: int, shared: list):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = original.gate_proj, original.up_proj, original.down_proj
+        self.act_fn = original.act_fn
+        for name in ("config", "hidden_size", "intermediate_size"):
+            if hasattr(original, name):
+                setattr(self, name, getattr(original, name))
+        weight, bias = _fuse([self.gate_proj, self.up_proj], shared)
+        self.register_buffer("gate_up_weight", weight, persistent=False)
+        self.register_buffer("gate_up_bias", bias, persistent=False)
+        self.table = table
+        self._hwtune_original = [original]
+
+    def forward(self, x):
+        if self.training:
+            return self._hwtune_original[0](x)
+        gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, self.table)
+        return _linear(torch.ops.hwtune.swiglu(gate_up, self.table), self.down_proj.weight,
+                       self.down_proj.bias, self.table)
+
+
+class HwtuneAttention(nn.Module):
+    """The model's attention with one q|k|v projection, hwtune::rope, and hwtune::decode_attention
+    for one-token steps on a StaticCache full-attention layer."""
+
+    def __init__(self, original: nn.Module, table: int, shared: list, attention_function):
+        super().__init__()
+        for name, value in vars(original).items():   # config, layer_idx, head_dim, scaling, ...
+            if not name.startswith("_") and name != "training":
+                setattr(self, name, value)
+        self.q_proj, self.k_proj, self.v_proj = original.q_proj, original.k_proj, original.v_proj
+        self.o_proj = original.o_proj
+        self.q_norm = getattr(original, "q_norm", None)
+        self.k_norm = getattr(original, "k_norm", None)
+        self.num_heads = self.q_proj.out_features // self.head_dim
+        self.num_kv_heads = self.k_proj.out_features // self.head_dim
+        weight, bias = _fuse([self.q_proj, self.k_proj, self.v_proj], shared)
+        self.register_buffer("qkv_weight", weight, persistent=False)
+        self.register_buffer("qkv_bias", bias, persistent=False)
+        self.table = table
+        self._hwtune_original = [original]
+        self._attention_function = attention_function   # the modeling module's eager attention
+        # transformers >= 5.24 names the cache argument `cache`, earlier versions `past_key_values`
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(original.forward).parameters \
+            else "past_key_values"
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                past_key_values=None, cache=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        if self.training or position_embeddings is None:
+            return self._hwtune_original[0](hidden_states, position_embeddings, attention_mask,
+                                            **{self._cache_kwarg: cache}, **kwargs)
+        cache_position = kwargs.pop("cache_position", None)   # transformers 4.x passes it
+        bsz, q_len = hidden_states.shape[:2]
+        d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = _linear(hidden_states, self.qkv_weight, self.qkv_bias, self.table)
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.view(bsz, q_len, hq, d), k.view(bsz, q_len, hkv, d), v.view(bsz, q_len, hkv, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = position_embeddings
+        q, k = torch.ops.hwtune.rope(q, k, cos, sin, self.table)   # [B, T, H, D] layout
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:
+            if cache_position is not None:
+                keys, values = cache.update(k, v, self.layer_idx,
+                                            {"sin": sin, "cos": cos, "cache_position": cache_position})
+            else:
+                keys, values = cache.update(k, v, self.layer_idx)
+        else:
+            keys, values = k, v
+        out = None
+        if q_len == 1 and self._static_layer(cache, keys, attention_mask):
+            out = self._decode(q[:, 0], keys, values, attention_mask, cache, cache_position)
+        if out is None:
+            out = self._model_attention(q.transpose(1, 2), keys, values, attention_mask, kwargs)
+        out = out.reshape(bsz, q_len, hq * d)
+        return _linear(out, self.o_proj.weight, self.o_proj.bias, self.table), None
+
+    def _static_layer(self, cache, keys, mask) -> bool:
+        """A one-token step the decode kernel handles: a StaticCache full-attention layer and a
+        mask (or none) of a form read here. Static under torch.compile (types and shapes)."""
+        layers = getattr(cache, "layers", None)
+        if layers is None or type(layers[self.layer_idx]) is not StaticLayer:
+            return False
+        if self.config._attn_implementation not in ("sdpa", "eager"):
+            return False
+        return mask is None or (mask.dim() == 4 and mask.shape[-1] == keys.shape[2])
+
+    def _decode(self, q, keys, values, mask, cache, cache_position):
+        bsz, s_max = q.shape[0], keys.shape[2]
+        if mask is None:   # no padding (transformers skips the mask): every row is at one position
+            if cache_position is not None:
+                length = cache_position[-1:] + 1
+            else:
+                length = getattr(cache.layers[self.layer_idx], "cumulative_length", None)
+                if length is None:
+                    return None
+            seq_lens = length.reshape(1).to(torch.int32).expand(bsz)
+            prefix = None
+        else:
+            row = mask[:, 0, -1, :]
+            valid = row if row.dtype == torch.bool else row == 0
+            seq_lens = valid.sum(dim=-1, dtype=torch.int32)
+            positions = torch.arange(s_max, device=valid.device)
+            prefix = ((positions[None, :] < seq_lens[:, None]) == valid).all(dim=-1)
+            if not torch.compiler.is_compiling() and not bool(prefix.all()):
+                return None    # a padded row: the model's own attention (eager only: a host sync)
+        out = torch.ops.hwtune.decode_attention(q, keys, values, seq_lens, float(self.scaling), self.table)
+        if prefix is not None and torch.compiler.is_compiling():
+            out = torch.where(prefix[:, None, None], out, float("nan"))
+        return out
+
+    def _model_attention(self, q, keys, values, mask, kwargs):
+        # only full-attention layers are patched: no sliding_window argument to pass on
+        impl = self.config._attn_implementation
+        fn = self._attention_function if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+        out, _ = fn(self, q, keys, values, mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        return out
+
+
+def _linear(x, weight, bias, table: int):
+    out = torch.ops.hwtune.linear(x, weight, table)
+    return out if bias is None else out + bias
+
+
+def _fuse(linears: list, shared: list):
+    """One weight (and bias) for several nn.Linear: the concatenation becomes the storage and
+    each original parameter a view of its rows (same Parameter object, same values)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    bias = None
+    if any(lin.bias is not None for lin in linears):
+        bias = torch.cat([lin.bias.detach() if lin.bias is not None else
+                          torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)
+                          for lin in linears])
+    row = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight.data = weight[row:row + n]
+        shared.append(lin.weight)
+        if lin.bias is not None:
+            lin.bias.data = bias[row:row + n]
+            shared.append(lin.bias)
+        row += n
+    # a fixed address: CUDA graphs read it in place instead of copying it in every replay
+    torch._dynamo.mark_static_address(weight)
+    if bias is not None:
+        torch._dynamo.mark_static_address(bias)
+    return weight, bias
+
+
+# --- checks ----------------------------------------------------------------------------------
+def _rope_problem(config) -> str | None:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    if rope_type not in KNOWN_ROPE:
+        return f"RoPE type {rope_type!r} is not one hwtune knows ({', '.join(KNOWN_ROPE)})"
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) \
+        if isinstance(params, dict) else 1.0
+    if factor not in (None, 1.0):
+        return f"partial rotary (partial_rotary_factor {factor}): hwtune::rope rotates the whole head"
+    return None
+
+
+def _sliding_layers(config, n_layers: int) -> list[int]:
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [i for i, t in enumerate(types[:n_layers]) if t != "full_attention"]
+    if getattr(config, "sliding_window", None) is not None and \
+            getattr(config, "use_sliding_window", True):
+        return list(range(n_layers))
+    return []
+
+
+def _weights_problem(model) -> str | None:
+    qc = getattr(model.config, "quantization_config", None)
+    if getattr(model, "hf_quantizer", None) is not None or qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        return f"quantized weights ({method or 'unknown method'}): hwtune's kernels take float weights"
+    for name, module in model.named_modules():
+        if hasattr(module, "_hf_hook"):
+            return f"{name or 'the model'} is managed by accelerate hooks (offloaded or split " \
+                   "device map): fused weights would escape them"
+        if isinstance(module, nn.Linear):
+            if type(module) is not nn.Linear:
+                return f"{name} is {type(module).__name__}, not nn.Linear (quantized or wrapped weights)"
+            if module.weight.dtype not in FLOAT_DTYPES or module.weight.device.type == "meta":
+                return f"{name}.weight is {module.weight.dtype} on {module.weight.device.type}: " \
+                       "hwtune's kernels take float weights on a real device"
+    return None
+
+
+def _is_rms_norm(module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), nn.Parameter) \
+        and hasattr(module, "variance_epsilon") and module.weight.dim() == 1
+
+
+def _is_gated_mlp(module, config) -> bool:
+    return all(type(getattr(module, n, None)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj")) \
+        and getattr(config, "hidden_act", None) in ACTIVATIONS
+
+
+def _is_attention(module) -> bool:
+    if not all(type(getattr(module, n, None)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return False
+    if not all(hasattr(module, n) for n in ("head_dim", "layer_idx", "scaling", "config")):
+        return False
+    norms = [getattr(module, n, None) for n in ("q_norm", "k_norm")]
+    return all(n is None or _is_rms_norm(n) for n in norms)
+
+
+# --- patch / unpatch -------------------------------------------------------------------------
+def patch(model, table: dispatch.DispatchTable | None = None) -> PatchReport:
+    """Swap the model's norms, MLPs, attention and lm_head for hwtune's in place (see the
+    module docstring). `table`: the dispatch table to route through; None: the one set by
+    kernelsearch.dispatch.use(). Returns what was patched and one line per part left stock."""
+    if getattr(model, "_hwtune_patch", None) is not None:
+        raise ValueError("model is already patched by hwtune: unpatch(model) first")
+    report = PatchReport(type(model).__name__)
+    table = table if table is not None else dispatch.current()
+    problem = None
+    if table is None:
+        problem = "no dispatch table (pass table= or call kernelsearch.dispatch.use(table)): " \
+                  "the whole model stays stock"
+    elif type(model).__name__ not in SUPPORTED or not hasattr(getattr(model, "model", None), "layers"):
+        problem = f"model class {type(model).__name__}: hwtune patches {', '.join(SUPPORTED)}; " \
+                  "the whole model stays stock"
+    else:
+        why = _weights_problem(model)
+        if why:
+            problem = why + "; the whole model stays stock"
+    if problem:
+        report.stock.append(problem)
+        log.warning("hwtune patch %s: %s", report.model, problem)
+        return report
+
+    handle = ops.table_handle(table)
+    report.table = f"table {table.data.get('fingerprint_id') or '(no device)'}, {len(table.entries)} entries"
+    record = _Record(report=report)
+    config = model.config
+    modeling = __import__(type(model).__module__, fromlist=["eager_attention_forward"])
+    attention_function = getattr(modeling, "eager_attention_forward", None)
+    layers = list(model.model.layers)
+    sliding = set(_sliding_layers(config, len(layers)))
+    rope_problem = _rope_problem(config)
+    if rope_problem:
+        report.stock.append(f"attention in all {len(layers)} layers: {rope_problem}")
+    elif sliding:
+        window = getattr(config, "sliding_window", None)
+        report.stock.append(f"attention in {len(sliding)} of {len(layers)} layers: sliding window {window} "
+                            "(hwtune's decode attention has none)")
+    if attention_function is None and not rope_problem:
+        rope_problem = f"{type(model).__module__} has no eager_attention_forward"
+        report.stock.append(f"attention: {rope_problem}")
+
+    def swap(parent, name, new, part):
+        original = getattr(parent, name)
+        new.train(original.training)   # a new module starts in training mode
+        record.swaps.append((parent, name, original))
+        setattr(parent, name, new)
+        report.patched[part] = report.patched.get(part, 0) + 1
+
+    skipped = {}
+    for i, layer in enumerate(layers):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            module = getattr(layer, name, None)
+            if module is not None and _is_rms_norm(module):
+                swap(layer, name, HwtuneRMSNorm(module, handle), "rms_norm")
+            else:
+                skipped.setdefault(f"layers.*.{name}", type(module).__name__)
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and _is_gated_mlp(mlp, config):
+            swap(layer, "mlp", HwtuneMLP(mlp, handle, record.shared), "mlp")
+        else:
+            skipped.setdefault("layers.*.mlp", f"{type(mlp).__name__} (act {getattr(config, 'hidden_act', '?')})")
+        attn = getattr(layer, "self_attn", None)
+        if rope_problem or i in sliding:
+            continue
+        if attn is not None and _is_attention(attn):
+            for norm in ("q_norm", "k_norm"):
+                if getattr(attn, norm, None) is not None:
+                    swap(attn, norm, HwtuneRMSNorm(getattr(attn, norm), handle), "rms_norm")
+            swap(layer, "self_attn", HwtuneAttention(attn, handle, record.shared, attention_function),
+                 "attention")
+        else:
+            skipped.setdefault("layers.*.self_attn", type(attn).__name__)
+    if _is_rms_norm(getattr(model.model, "norm", None)):
+        swap(model.model, "norm", HwtuneRMSNorm(model.model.norm, handle), "rms_norm")
+    head = getattr(model, "lm_head", None)
+    if type(head) is nn.Linear:
+        swap(model, "lm_head", HwtuneLinear(head, handle), "lm_head")
+    for where, what in skipped.items():
+        report.stock.append(f"{where}: {what} does not match the Llama-family module hwtune replaces")
+    model._hwtune_patch = record
+    log.info("%s", report)
+    for line in report.stock:
+        log.warning("hwtune patch %s: %s", report.model, line)
+    return report
+
+
+def unpatch(model) -> None:
+    """Put back exactly the original modules (the same objects) and give every parameter that
+    was a view of a fused weight its own storage again (same values)."""
+    record = getattr(model, "_hwtune_patch", None)
+    if record is None:
+        return
+    for parent, name, original in reversed(record.swaps):
+        setattr(parent, name, original)
+    for param in record.shared:
+        param.data = param.data.clone()
+    del model._hwtune_patch
+
+
+def patched_report(model) -> PatchReport | None:
+    record = getattr(model, "_hwtune_patch", None)
+    return None if record is None else record.report
+
+
+__all__ = ["patch", "unpatch", "patched_report", "PatchReport", "HwtuneRMSNorm", "HwtuneLinear",
+           "HwtuneMLP", "HwtuneAttention", "SUPPORTED", "KNOWN_ROPE"]

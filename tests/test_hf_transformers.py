@@ -1,0 +1,361 @@
+"""kernelsearch.integrations.transformers: patch / unpatch of tiny Llama-family models on CPU.
+
+Tiny configs (hidden 64, 2 layers, 4 query heads, 2 kv heads: GQA) of the four classes. In this
+process the table routes every op to stock (no triton), which checks the patch's structure:
+fused q|k|v and gate|up, RoPE, the decode path over the StaticCache, lm_head. One child process
+runs the same model with tuned, harness-verified Triton kernels for every decode shape under
+TRITON_INTERPRET.
+"""
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import StaticCache  # noqa: E402
+
+from kernelsearch import dispatch, ops  # noqa: E402
+from kernelsearch.integrations.transformers import patch, patched_report, unpatch  # noqa: E402
+
+from conftest import ROOT  # noqa: E402
+
+CLASSES = ["Llama", "Mistral", "Qwen2", "Qwen3"]
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
+EXTRA = {"Llama": {}, "Mistral": {"sliding_window": None}, "Qwen2": {}, "Qwen3": {"head_dim": 16}}
+MAX_CACHE = 16
+
+
+def tiny_model(name, dtype=torch.float32, seed=0, **overrides):
+    config = getattr(transformers, name + "Config")(**{**TINY, **EXTRA[name], **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, name + "ForCausalLM")(config).eval().to(dtype)
+    with torch.no_grad():   # a random model's norms are all ones: make them matter
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif n.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def counting_table():
+    """A table whose only entry is for another device: every op routes to stock, and the
+    table counts the routes (an empty table skips the lookup)."""
+    return dispatch.DispatchTable({"format": 1, "fingerprint_id": "no-such-device", "entries": [
+        {"kernel": "rmsnorm", "dtype": "float32", "shape": {"M": 1, "N": 1}, "params": {}}]})
+
+
+def prefill_and_decode(model, ids, steps=3, step_fn=None):
+    """Logits of the prefill and of `steps` greedy one-token steps on a StaticCache."""
+    cache = StaticCache(config=model.config, max_cache_len=MAX_CACHE)
+    step_fn = step_fn or model
+    logits = []
+    with torch.no_grad():
+        out = model(ids, cache=cache, use_cache=True)
+        logits.append(out.logits.float())
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            out = step_fn(token, cache=cache, use_cache=True)
+            logits.append(out.logits.float())
+            token = out.logits[:, -1:].argmax(-1)
+    return logits
+
+
+def rel_err(a, b):
+    return float((a - b).abs().max() / a.abs().max())
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", CLASSES)
+def test_patched_logits_match_unpatched_for_prefill_and_static_cache_decode_steps(name, dtype):
+    model = tiny_model(name, dtype)
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+    want = prefill_and_decode(model, ids)
+    table = counting_table()
+    report = patch(model, table)
+    assert report.stock == []
+    assert report.patched == {"rms_norm": 5 + (4 if name == "Qwen3" else 0), "mlp": 2, "attention": 2,
+                              "lm_head": 1}
+    got = prefill_and_decode(model, ids)
+    for step, (w, g) in enumerate(zip(want, got)):
+        assert rel_err(w, g) < TOL[dtype], (step, rel_err(w, g))
+    routed = {k for k, _ in table.counts}
+    assert routed == {"rmsnorm", "linear", "rope", "swiglu", "decode_attention"}
+    # 3 decode steps x 2 layers went through hwtune's decode attention, the prefill did not
+    assert table.counts[("decode_attention", "stock")] == 3 * 2
+    unpatch(model)
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_generate_with_a_static_cache_gives_the_unpatched_tokens_and_logits(name):
+    model = tiny_model(name)
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(2))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+              cache_implementation="static", return_dict_in_generate=True, output_logits=True)
+    want = model.generate(ids, **kw)
+    table = counting_table()
+    patch(model, table)
+    got = model.generate(ids, **kw)
+    unpatch(model)
+    assert torch.equal(want.sequences, got.sequences)
+    assert max(rel_err(w, g) for w, g in zip(want.logits, got.logits)) < 1e-5
+    assert table.counts[("decode_attention", "stock")] == 4 * 2   # 5 tokens: 1 prefill + 4 steps
+
+
+def test_eager_attention_implementation_float_mask_takes_the_decode_path_too():
+    model = tiny_model("Llama", attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
+    ids = torch.randint(0, 128, (3, 4), generator=torch.Generator().manual_seed(3))
+    want = prefill_and_decode(model, ids)
+    table = counting_table()
+    patch(model, table)
+    got = prefill_and_decode(model, ids)
+    assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
+    assert table.counts[("decode_attention", "stock")] == 3 * 2
+
+
+@pytest.mark.parametrize("name", ["Llama", "Qwen3"])
+def test_patched_decode_step_compiles_with_fullgraph_and_matches(name):
+    model = tiny_model(name)
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(4))
+    want = prefill_and_decode(model, ids)
+    patch(model, counting_table())
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    got = prefill_and_decode(model, ids, step_fn=torch.compile(model.forward, fullgraph=True, backend=backend))
+    assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
+    for op in ("rms_norm", "linear", "swiglu", "rope", "decode_attention"):
+        assert f"hwtune.{op}" in seen, op
+    torch._dynamo.reset()
+    got = prefill_and_decode(model, ids, step_fn=torch.compile(model.forward, fullgraph=True,
+                                                               backend="aot_eager"))
+    assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
+    torch._dynamo.reset()
+
+
+def test_padded_rows_run_the_models_attention_eagerly_and_are_nan_when_compiled():
+    model = tiny_model("Llama")
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0   # left padding: row 1's valid positions do not start at 0
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static",
+              return_dict_in_generate=True, output_logits=True)
+    want = model.generate(ids, **kw)
+    table = counting_table()
+    patch(model, table)
+    got = model.generate(ids, **kw)
+    assert torch.equal(want.sequences, got.sequences)
+    assert max(rel_err(w, g) for w, g in zip(want.logits, got.logits)) < 1e-5
+    assert ("decode_attention", "stock") not in table.counts   # the model's own attention ran
+
+    # compiled, no host sync to check the mask: the padded row comes out NaN, never wrong
+    cache = StaticCache(config=model.config, max_cache_len=MAX_CACHE)
+    full = torch.cat([mask, torch.zeros(2, MAX_CACHE - 6, dtype=mask.dtype)], dim=1)
+    step = torch.compile(model.forward, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        out = model(ids, attention_mask=full, cache=cache, use_cache=True)
+        full[:, 6] = 1
+        out = step(out.logits[:, -1:].argmax(-1), attention_mask=full, cache=cache, use_cache=True,
+                   position_ids=torch.tensor([[6], [4]]))
+    torch._dynamo.reset()
+    assert torch.isfinite(out.logits[0]).all() and torch.isnan(out.logits[1]).all()
+
+
+def test_unpatch_restores_the_same_modules_and_parameters_with_equal_values():
+    model = tiny_model("Qwen2")
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    values = {n: p.detach().clone() for n, p in params.items()}
+    keys = list(model.state_dict())
+    patch(model, counting_table())
+    # while patched: the same parameter names, and q/k/v are views into one fused weight
+    assert list(model.state_dict()) == keys
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_weight.data_ptr() == attn.q_proj.weight.data_ptr()
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+    assert attn.q_proj.weight is params["model.layers.0.self_attn.q_proj.weight"]
+    assert patched_report(model).patched["attention"] == 2
+    unpatch(model)
+    assert patched_report(model) is None
+    after = dict(model.named_modules())
+    assert list(after) == list(modules) and all(after[n] is m for n, m in modules.items())
+    after_params = dict(model.named_parameters())
+    assert all(after_params[n] is p and torch.equal(p, values[n]) for n, p in params.items())
+    storages = {p.untyped_storage().data_ptr() for p in after_params.values()}
+    assert len(storages) == len(after_params)   # every parameter has its own storage again
+    unpatch(model)  # a second unpatch is a no-op
+
+
+def test_patching_twice_is_refused():
+    model = tiny_model("Llama")
+    patch(model, counting_table())
+    with pytest.raises(ValueError, match="already patched"):
+        patch(model, counting_table())
+
+
+def _unchanged(model, before) -> bool:
+    return all(a is b for a, b in zip(before, model.modules())) and len(before) == len(list(model.modules()))
+
+
+def test_without_a_table_the_model_stays_stock_with_one_line(caplog):
+    model = tiny_model("Llama")
+    before = list(model.modules())
+    assert dispatch.current() is None
+    with caplog.at_level(logging.WARNING, logger="hwtune.transformers"):
+        report = patch(model)
+    assert report.patched == {} and len(report.stock) == 1 and "no dispatch table" in report.stock[0]
+    assert [r.getMessage() for r in caplog.records] == [f"hwtune patch LlamaForCausalLM: {report.stock[0]}"]
+    assert _unchanged(model, before) and patched_report(model) is None
+
+
+def test_the_process_wide_table_is_used_when_none_is_passed():
+    model = tiny_model("Llama")
+    table = counting_table()
+    dispatch.use(table)
+    try:
+        report = patch(model)
+    finally:
+        dispatch.use(None)
+    assert report.stock == [] and model.model.norm.table == ops.table_handle(table)
+
+
+def test_quantized_weights_leave_the_whole_model_stock_with_one_line():
+    model = tiny_model("Llama")
+    model.config.quantization_config = {"quant_method": "bitsandbytes"}
+    before = list(model.modules())
+    report = patch(model, counting_table())
+    assert report.patched == {} and len(report.stock) == 1
+    assert "quantized weights (bitsandbytes)" in report.stock[0]
+    assert _unchanged(model, before)
+
+    class Int8Linear(torch.nn.Linear):
+        pass
+
+    model = tiny_model("Llama")
+    old = model.model.layers[1].mlp.down_proj
+    model.model.layers[1].mlp.down_proj = Int8Linear(old.in_features, old.out_features, bias=False)
+    report = patch(model, counting_table())
+    assert report.patched == {} and len(report.stock) == 1
+    assert "model.layers.1.mlp.down_proj is Int8Linear" in report.stock[0]
+
+
+def test_sliding_window_attention_stays_the_models_own_with_one_line():
+    model = tiny_model("Mistral", sliding_window=4096)
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(6))
+    want = prefill_and_decode(model, ids)
+    attn = [layer.self_attn for layer in model.model.layers]
+    report = patch(model, counting_table())
+    assert len(report.stock) == 1 and "sliding window 4096" in report.stock[0]
+    assert "attention" not in report.patched and report.patched["mlp"] == 2
+    assert [layer.self_attn for layer in model.model.layers] == attn
+    got = prefill_and_decode(model, ids)
+    assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
+
+
+def test_an_unknown_rope_type_leaves_attention_stock_with_one_line():
+    model = tiny_model("Llama")
+    model.config.rope_parameters = dict(model.config.rope_parameters, rope_type="hwtune-unknown")
+    report = patch(model, counting_table())
+    assert len(report.stock) == 1 and "RoPE type 'hwtune-unknown'" in report.stock[0]
+    assert "attention" not in report.patched and report.patched["mlp"] == 2
+
+
+def test_an_unknown_model_class_stays_stock_with_one_line():
+    config = transformers.LlamaConfig(**TINY)
+    model = transformers.LlamaForSequenceClassification(config).eval()
+    report = patch(model, counting_table())
+    assert report.patched == {} and len(report.stock) == 1 and "LlamaForSequenceClassification" in report.stock[0]
+
+
+def test_training_mode_runs_the_original_modules():
+    model = tiny_model("Llama")
+    ids = torch.randint(0, 128, (1, 4))
+    table = counting_table()
+    patch(model, table)
+    model.train()
+    with torch.no_grad():
+        model(ids)
+    assert table.counts == {}
+    model.eval()
+    with torch.no_grad():
+        model(ids)
+    assert table.counts
+
+
+CHILD = textwrap.dedent('''
+    import json, sys
+    import torch
+    sys.path.insert(0, "tests")
+    from test_hf_transformers import tiny_model, prefill_and_decode, rel_err, MAX_CACHE
+    from tests.tuned_tables import verified_table
+    from kernelsearch.integrations.transformers import patch
+
+    name = sys.argv[1]
+    model = tiny_model(name)
+    cfg = model.config
+    B, H, HKV, D = 2, 4, 2, 16
+    entries = [
+        ("rmsnorm", {"M": B, "N": 64}, "float32", {}),
+        ("linear", {"M": B, "K": 64, "N": (H + 2 * HKV) * D}, "float32", {}),   # q|k|v
+        ("linear", {"M": B, "K": 64, "N": 64}, "float32",                      # o_proj
+         {"variant": "splitk", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 8,
+          "SPLIT_K": 2, "FMA": 0, "num_warps": 4, "num_stages": 2, "REDUCE": "last"}),
+        ("linear", {"M": B, "K": 64, "N": 256}, "float32", {}),                 # gate|up
+        ("linear", {"M": B, "K": 128, "N": 64}, "float32", {}),                 # down
+        ("linear", {"M": B, "K": 64, "N": 128}, "float32", {}),                 # lm_head
+        ("swiglu", {"M": B, "I": 128}, "float32", {}),
+        ("rope", {"B": B, "Hq": H, "Hkv": HKV, "D": D}, "float32", {}),
+        ("decode_attention", {"B": B, "Hq": H, "Hkv": HKV, "S": MAX_CACHE, "D": D}, "float32",
+         {"BLOCK_S": 16, "NUM_SPLITS": 1, "num_warps": 4, "num_stages": 1}),
+    ]
+    if name == "Qwen3":
+        entries += [("rmsnorm", {"M": B * H, "N": D}, "float32", {}),
+                    ("rmsnorm", {"M": B * HKV, "N": D}, "float32", {})]
+    table = verified_table(entries)
+    ids = torch.randint(0, 128, (B, 5), generator=torch.Generator().manual_seed(7))
+    want = prefill_and_decode(model, ids, steps=2)
+    report = patch(model, table)
+    got = prefill_and_decode(model, ids, steps=2)
+    counts = {f"{k}:{r}": n for (k, r), n in table.counts.items()}
+    table.counts.clear()
+    torch._dynamo.reset()
+    compiled = prefill_and_decode(model, ids, steps=2,
+                                  step_fn=torch.compile(model.forward, fullgraph=True, backend="aot_eager"))
+    print(json.dumps({"stock": report.stock, "counts": counts,
+                      "compiled_counts": {f"{k}:{r}": n for (k, r), n in table.counts.items()},
+                      "err": [rel_err(w, g) for w, g in zip(want, got)],
+                      "err_compiled": [rel_err(w, g) for w, g in zip(want, compiled)]}))
+''')
+
+
+@pytest.mark.parametrize("name", ["Llama", "Qwen3"])
+def test_tuned_triton_kernels_of_every_decode_op_give_the_unpatched_logits(name):
+    env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+           "HOME": os.environ.get("HOME", "/root")}
+    proc = subprocess.run([sys.executable, "-c", CHILD, name], cwd=ROOT, text=True, capture_output=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["stock"] == []
+    # 2 decode steps x 2 layers; norms: 2 per layer + the final one (+ q_norm, k_norm in Qwen3)
+    norms = 2 * (5 + (4 if name == "Qwen3" else 0))
+    want = {"rmsnorm:tuned": norms, "linear:tuned": 2 * 9, "swiglu:tuned": 4, "rope:tuned": 4,
+            "decode_attention:tuned": 4}
+    for counts in (report["counts"], report["compiled_counts"]):
+        assert {k: v for k, v in counts.items() if k.endswith(":tuned")} == want
+    assert max(report["err"]) < 1e-4 and max(report["err_compiled"]) < 1e-4
+    assert report["err"][1] > 0   # the decode steps really ran other kernels than stock
