@@ -61,8 +61,9 @@ def run(kernel: str, handle: int, *args) -> tuple:
     spec = get_spec(kernel)
     table = table_of(handle)
     tuned = None
-    if table is not None and table.entries:
-        tuned, _, _ = table.route(kernel, *args)
+    if table is not None:
+        if table.entries:
+            tuned, _, _ = table.route(kernel, *args)
         route = "tuned" if tuned is not None else "stock"
         table.counts[(kernel, route)] = table.counts.get((kernel, route), 0) + 1
     if tuned is not None:

@@ -6,6 +6,7 @@ fused q|k|v and gate|up, RoPE, the decode path over the StaticCache, lm_head. On
 runs the same model with tuned, harness-verified Triton kernels for every decode shape under
 TRITON_INTERPRET.
 """
+import inspect
 import json
 import logging
 import os
@@ -29,6 +30,12 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
 EXTRA = {"Llama": {}, "Mistral": {"sliding_window": None}, "Qwen2": {}, "Qwen3": {"head_dim": 16}}
 MAX_CACHE = 16
+# transformers 5.24 renamed the models' `past_key_values` argument to `cache`
+CACHE = "cache" if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters \
+    else "past_key_values"
+# transformers 4.x models compute the cache position from the cache unless told (a data-dependent
+# arange that torch.compile(fullgraph=True) cannot trace)
+POSITION = "cache_position" in inspect.signature(transformers.LlamaModel.forward).parameters
 
 
 def tiny_model(name, dtype=torch.float32, seed=0, **overrides):
@@ -45,10 +52,8 @@ def tiny_model(name, dtype=torch.float32, seed=0, **overrides):
 
 
 def counting_table():
-    """A table whose only entry is for another device: every op routes to stock, and the
-    table counts the routes (an empty table skips the lookup)."""
-    return dispatch.DispatchTable({"format": 1, "fingerprint_id": "no-such-device", "entries": [
-        {"kernel": "rmsnorm", "dtype": "float32", "shape": {"M": 1, "N": 1}, "params": {}}]})
+    """An empty table: every op runs stock, and the table counts the calls."""
+    return dispatch.DispatchTable.empty()
 
 
 def prefill_and_decode(model, ids, steps=3, step_fn=None):
@@ -56,12 +61,13 @@ def prefill_and_decode(model, ids, steps=3, step_fn=None):
     cache = StaticCache(config=model.config, max_cache_len=MAX_CACHE)
     step_fn = step_fn or model
     logits = []
+    at = lambda start, n: {"cache_position": torch.arange(start, start + n)} if POSITION else {}
     with torch.no_grad():
-        out = model(ids, cache=cache, use_cache=True)
+        out = model(ids, **{CACHE: cache}, use_cache=True, **at(0, ids.shape[1]))
         logits.append(out.logits.float())
         token = out.logits[:, -1:].argmax(-1)
-        for _ in range(steps):
-            out = step_fn(token, cache=cache, use_cache=True)
+        for i in range(steps):
+            out = step_fn(token, **{CACHE: cache}, use_cache=True, **at(ids.shape[1] + i, 1))
             logits.append(out.logits.float())
             token = out.logits[:, -1:].argmax(-1)
     return logits
@@ -81,7 +87,7 @@ def test_patched_logits_match_unpatched_for_prefill_and_static_cache_decode_step
     ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
     want = prefill_and_decode(model, ids)
     table = counting_table()
-    report = patch(model, table)
+    report = patch(model, table, stock_through_ops=True)
     assert report.stock == []
     assert report.patched == {"rms_norm": 5 + (4 if name == "Qwen3" else 0), "mlp": 2, "attention": 2,
                               "lm_head": 1}
@@ -96,6 +102,31 @@ def test_patched_logits_match_unpatched_for_prefill_and_static_cache_decode_step
 
 
 @pytest.mark.parametrize("name", CLASSES)
+def test_shapes_without_a_tuned_entry_run_the_models_own_code_by_default(name):
+    """The default: only shapes the table has a tuned kernel for go through the ops (one
+    opaque node each under torch.compile); the rest stays the model's own code, with q|k|v
+    and gate|up still one projection each."""
+    model = tiny_model(name)
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(8))
+    want = prefill_and_decode(model, ids)
+    table = counting_table()
+    report = patch(model, table)
+    assert report.stock == [] and report.patched["attention"] == 2
+    got = prefill_and_decode(model, ids)
+    assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
+    assert table.counts == {}
+
+
+def test_a_table_for_another_device_says_so_in_one_line():
+    model = tiny_model("Llama")
+    table = dispatch.DispatchTable({"format": 1, "fingerprint_id": "nvidia-h200-12345678", "entries": [
+        {"kernel": "rmsnorm", "dtype": "float32", "shape": {"M": 2, "N": 64}, "params": {}}]})
+    report = patch(model, table)
+    assert len(report.stock) == 1 and "entries are for nvidia-h200-12345678" in report.stock[0]
+    assert model.model.norm._tuned == frozenset()
+
+
+@pytest.mark.parametrize("name", CLASSES)
 def test_generate_with_a_static_cache_gives_the_unpatched_tokens_and_logits(name):
     model = tiny_model(name)
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(2))
@@ -103,7 +134,7 @@ def test_generate_with_a_static_cache_gives_the_unpatched_tokens_and_logits(name
               cache_implementation="static", return_dict_in_generate=True, output_logits=True)
     want = model.generate(ids, **kw)
     table = counting_table()
-    patch(model, table)
+    patch(model, table, stock_through_ops=True)
     got = model.generate(ids, **kw)
     unpatch(model)
     assert torch.equal(want.sequences, got.sequences)
@@ -117,7 +148,7 @@ def test_eager_attention_implementation_float_mask_takes_the_decode_path_too():
     ids = torch.randint(0, 128, (3, 4), generator=torch.Generator().manual_seed(3))
     want = prefill_and_decode(model, ids)
     table = counting_table()
-    patch(model, table)
+    patch(model, table, stock_through_ops=True)
     got = prefill_and_decode(model, ids)
     assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
     assert table.counts[("decode_attention", "stock")] == 3 * 2
@@ -128,7 +159,7 @@ def test_patched_decode_step_compiles_with_fullgraph_and_matches(name):
     model = tiny_model(name)
     ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(4))
     want = prefill_and_decode(model, ids)
-    patch(model, counting_table())
+    patch(model, counting_table(), stock_through_ops=True)
     seen = []
 
     def backend(gm, example_inputs):
@@ -156,7 +187,7 @@ def test_padded_rows_run_the_models_attention_eagerly_and_are_nan_when_compiled(
               return_dict_in_generate=True, output_logits=True)
     want = model.generate(ids, **kw)
     table = counting_table()
-    patch(model, table)
+    patch(model, table, stock_through_ops=True)
     got = model.generate(ids, **kw)
     assert torch.equal(want.sequences, got.sequences)
     assert max(rel_err(w, g) for w, g in zip(want.logits, got.logits)) < 1e-5
@@ -167,10 +198,11 @@ def test_padded_rows_run_the_models_attention_eagerly_and_are_nan_when_compiled(
     full = torch.cat([mask, torch.zeros(2, MAX_CACHE - 6, dtype=mask.dtype)], dim=1)
     step = torch.compile(model.forward, fullgraph=True, backend="eager")
     with torch.no_grad():
-        out = model(ids, attention_mask=full, cache=cache, use_cache=True)
+        out = model(ids, attention_mask=full, **{CACHE: cache}, use_cache=True)
         full[:, 6] = 1
-        out = step(out.logits[:, -1:].argmax(-1), attention_mask=full, cache=cache, use_cache=True,
-                   position_ids=torch.tensor([[6], [4]]))
+        out = step(out.logits[:, -1:].argmax(-1), attention_mask=full, **{CACHE: cache}, use_cache=True,
+                   position_ids=torch.tensor([[6], [4]]),
+                   **({"cache_position": torch.tensor([6])} if POSITION else {}))
     torch._dynamo.reset()
     assert torch.isfinite(out.logits[0]).all() and torch.isnan(out.logits[1]).all()
 
@@ -268,7 +300,10 @@ def test_sliding_window_attention_stays_the_models_own_with_one_line():
 
 def test_an_unknown_rope_type_leaves_attention_stock_with_one_line():
     model = tiny_model("Llama")
-    model.config.rope_parameters = dict(model.config.rope_parameters, rope_type="hwtune-unknown")
+    if getattr(model.config, "rope_parameters", None) is not None:   # transformers 5
+        model.config.rope_parameters = dict(model.config.rope_parameters, rope_type="hwtune-unknown")
+    else:
+        model.config.rope_scaling = {"rope_type": "hwtune-unknown", "factor": 2.0}
     report = patch(model, counting_table())
     assert len(report.stock) == 1 and "RoPE type 'hwtune-unknown'" in report.stock[0]
     assert "attention" not in report.patched and report.patched["mlp"] == 2
@@ -285,7 +320,7 @@ def test_training_mode_runs_the_original_modules():
     model = tiny_model("Llama")
     ids = torch.randint(0, 128, (1, 4))
     table = counting_table()
-    patch(model, table)
+    patch(model, table, stock_through_ops=True)
     model.train()
     with torch.no_grad():
         model(ids)
@@ -355,7 +390,7 @@ def test_tuned_triton_kernels_of_every_decode_op_give_the_unpatched_logits(name)
     norms = 2 * (5 + (4 if name == "Qwen3" else 0))
     want = {"rmsnorm:tuned": norms, "linear:tuned": 2 * 9, "swiglu:tuned": 4, "rope:tuned": 4,
             "decode_attention:tuned": 4}
-    for counts in (report["counts"], report["compiled_counts"]):
-        assert {k: v for k, v in counts.items() if k.endswith(":tuned")} == want
+    # prefill shapes have no entry: the model's own code, no op call at all
+    assert report["counts"] == want and report["compiled_counts"] == want
     assert max(report["err"]) < 1e-4 and max(report["err_compiled"]) < 1e-4
     assert report["err"][1] > 0   # the decode steps really ran other kernels than stock

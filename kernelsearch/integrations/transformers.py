@@ -45,6 +45,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import StaticLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -87,18 +88,66 @@ class _Record:
 
 
 # --- the patched modules ---------------------------------------------------------------------
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class _Routes:
+    """Which shapes go through hwtune's ops: those the table has a tuned entry for on this
+    device (read once, at patch time), or every shape (`stock_through_ops`). A shape without an
+    entry runs the model's own code, which torch.compile fuses as it would unpatched (inside an
+    op, stock is one opaque node)."""
+
+    def __init__(self, handle: int, entries: list, every_shape: bool):
+        self.handle = handle
+        self.every_shape = every_shape
+        self.entries = [(e["kernel"], e["dtype"], dict(e["shape"])) for e in entries]
+
+    def tuned(self, kernel: str, dtype, fixed: dict, free: tuple):
+        """The values of the `free` dims of this kernel's entries whose other dims equal `fixed`
+        (a frozenset of ints, or of tuples for several free dims); None: every shape."""
+        if self.every_shape:
+            return None
+        name = DTYPE_NAMES.get(dtype)
+        found = set()
+        for kernel_, dtype_, shape in self.entries:
+            shape = {k: v for k, v in shape.items() if k != "dtype"}
+            if kernel_ != kernel or dtype_ != name or set(shape) != set(fixed) | set(free) or \
+                    any(shape[d] != v for d, v in fixed.items()):
+                continue
+            found.add(shape[free[0]] if len(free) == 1 else tuple(shape[d] for d in free))
+        return frozenset(found)
+
+
+def _uses(tuned, key) -> bool:
+    return tuned is None or key in tuned
+
+
+def _rows(x) -> int:
+    n = 1
+    for d in x.shape[:-1]:
+        n *= d
+    return n
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
 class HwtuneRMSNorm(nn.Module):
     """RMSNorm through hwtune::rms_norm; same `weight` parameter and `variance_epsilon`."""
 
-    def __init__(self, original: nn.Module, table: int):
+    def __init__(self, original: nn.Module, routes: _Routes):
         super().__init__()
         self.weight = original.weight
         self.variance_epsilon = float(original.variance_epsilon)
-        self.table = table
+        self.table = routes.handle
+        self._tuned = routes.tuned("rmsnorm", self.weight.dtype, {"N": self.weight.shape[0]}, ("M",))
         self._hwtune_original = [original]   # a list: not registered as a submodule
 
     def forward(self, hidden_states):
-        if self.training or hidden_states.dtype != self.weight.dtype:
+        if self.training or hidden_states.dtype != self.weight.dtype or \
+                not _uses(self._tuned, _rows(hidden_states)):
             return self._hwtune_original[0](hidden_states)
         return torch.ops.hwtune.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.table)
 
@@ -106,27 +155,41 @@ class HwtuneRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, table={self.table}"
 
 
+class _Projection:
+    """One weight [N, K] (and bias) multiplied through hwtune::linear where tuned."""
+
+    def __init__(self, weight, routes: _Routes):
+        self.table = routes.handle
+        self.tuned = routes.tuned("linear", weight.dtype, {"K": weight.shape[1], "N": weight.shape[0]}, ("M",))
+
+    def __call__(self, x, weight, bias):
+        if x.dtype != weight.dtype or not _uses(self.tuned, _rows(x)):
+            return F.linear(x, weight, bias)
+        out = torch.ops.hwtune.linear(x, weight, self.table)
+        return out if bias is None else out + bias
+
+
 class HwtuneLinear(nn.Module):
     """nn.Linear through hwtune::linear (the lm_head); same `weight` (and `bias`) parameters."""
 
-    def __init__(self, original: nn.Linear, table: int):
+    def __init__(self, original: nn.Linear, routes: _Routes):
         super().__init__()
         self.weight = original.weight
         self.bias = original.bias
         self.in_features, self.out_features = original.in_features, original.out_features
-        self.table = table
+        self._proj = _Projection(self.weight, routes)
         self._hwtune_original = [original]
 
     def forward(self, x):
         if self.training:
             return self._hwtune_original[0](x)
-        return _linear(x, self.weight, self.bias, self.table)
+        return self._proj(x, self.weight, self.bias)
 
 
 class HwtuneMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) as hwtune::linear on gate|up, hwtune::swiglu, hwtune::linear."""
 
-    def __init__(self, original: nn.Module, table: int, shared: list):
+    def __init__(self, original: nn.Module, routes: _Routes, shared: list):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = original.gate_proj, original.up_proj, original.down_proj
         self.act_fn = original.act_fn
@@ -136,22 +199,30 @@ class HwtuneMLP(nn.Module):
         weight, bias = _fuse([self.gate_proj, self.up_proj], shared)
         self.register_buffer("gate_up_weight", weight, persistent=False)
         self.register_buffer("gate_up_bias", bias, persistent=False)
-        self.table = table
+        self.table = routes.handle
+        self._gate_up = _Projection(weight, routes)
+        self._down = _Projection(self.down_proj.weight, routes)
+        self._swiglu = routes.tuned("swiglu", weight.dtype, {"I": self.gate_proj.out_features}, ("M",))
         self._hwtune_original = [original]
 
     def forward(self, x):
         if self.training:
             return self._hwtune_original[0](x)
-        gate_up = _linear(x, self.gate_up_weight, self.gate_up_bias, self.table)
-        return _linear(torch.ops.hwtune.swiglu(gate_up, self.table), self.down_proj.weight,
-                       self.down_proj.bias, self.table)
+        gate_up = self._gate_up(x, self.gate_up_weight, self.gate_up_bias)
+        if _uses(self._swiglu, _rows(gate_up)):
+            h = torch.ops.hwtune.swiglu(gate_up, self.table)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = self.act_fn(gate) * up
+        return self._down(h, self.down_proj.weight, self.down_proj.bias)
 
 
 class HwtuneAttention(nn.Module):
     """The model's attention with one q|k|v projection, hwtune::rope, and hwtune::decode_attention
     for one-token steps on a StaticCache full-attention layer."""
 
-    def __init__(self, original: nn.Module, table: int, shared: list, attention_function):
+    def __init__(self, original: nn.Module, routes: _Routes, shared: list, attention_function,
+                 guards_padding: bool):
         super().__init__()
         for name, value in vars(original).items():   # config, layer_idx, head_dim, scaling, ...
             if not name.startswith("_") and name != "training":
@@ -165,7 +236,15 @@ class HwtuneAttention(nn.Module):
         weight, bias = _fuse([self.q_proj, self.k_proj, self.v_proj], shared)
         self.register_buffer("qkv_weight", weight, persistent=False)
         self.register_buffer("qkv_bias", bias, persistent=False)
-        self.table = table
+        self.table = routes.handle
+        heads = {"Hq": self.num_heads, "Hkv": self.num_kv_heads, "D": self.head_dim}
+        self._qkv = _Projection(weight, routes)
+        self._o = _Projection(self.o_proj.weight, routes)
+        self._rope = routes.tuned("rope", weight.dtype, heads, ("B",))
+        self._decode_shapes = routes.tuned("decode_attention", weight.dtype, heads, ("B", "S"))
+        # Under torch.compile a padded row is turned into NaN once, in the first patched layer
+        # (NaN then flows through every later layer): one small kernel per step, not per layer.
+        self._guards_padding = guards_padding
         self._hwtune_original = [original]
         self._attention_function = attention_function   # the modeling module's eager attention
         # transformers >= 5.24 names the cache argument `cache`, earlier versions `past_key_values`
@@ -175,19 +254,25 @@ class HwtuneAttention(nn.Module):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cache=None, **kwargs):
         cache = cache if cache is not None else past_key_values
-        if self.training or position_embeddings is None:
+        if self.training or position_embeddings is None or hidden_states.dtype != self.qkv_weight.dtype:
             return self._hwtune_original[0](hidden_states, position_embeddings, attention_mask,
                                             **{self._cache_kwarg: cache}, **kwargs)
         cache_position = kwargs.pop("cache_position", None)   # transformers 4.x passes it
         bsz, q_len = hidden_states.shape[:2]
         d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
-        qkv = _linear(hidden_states, self.qkv_weight, self.qkv_bias, self.table)
+        qkv = self._qkv(hidden_states, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q, k, v = q.view(bsz, q_len, hq, d), k.view(bsz, q_len, hkv, d), v.view(bsz, q_len, hkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
-        q, k = torch.ops.hwtune.rope(q, k, cos, sin, self.table)   # [B, T, H, D] layout
+        if _uses(self._rope, bsz * q_len):
+            # contiguous here, where torch.compile fuses the copies with the split and the bias
+            cos, sin = cos.expand(bsz, q_len, d).contiguous(), sin.expand(bsz, q_len, d).contiguous()
+            q, k = torch.ops.hwtune.rope(q.contiguous(), k.contiguous(), cos, sin, self.table)
+        else:   # the models' apply_rotary_pos_emb, in the [B, T, H, D] layout
+            c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+            q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             if cache_position is not None:
@@ -198,12 +283,13 @@ class HwtuneAttention(nn.Module):
         else:
             keys, values = k, v
         out = None
-        if q_len == 1 and self._static_layer(cache, keys, attention_mask):
+        if q_len == 1 and _uses(self._decode_shapes, (bsz, keys.shape[2])) and \
+                self._static_layer(cache, keys, attention_mask):
             out = self._decode(q[:, 0], keys, values, attention_mask, cache, cache_position)
         if out is None:
             out = self._model_attention(q.transpose(1, 2), keys, values, attention_mask, kwargs)
         out = out.reshape(bsz, q_len, hq * d)
-        return _linear(out, self.o_proj.weight, self.o_proj.bias, self.table), None
+        return self._o(out, self.o_proj.weight, self.o_proj.bias), None
 
     def _static_layer(self, cache, keys, mask) -> bool:
         """A one-token step the decode kernel handles: a StaticCache full-attention layer and a
@@ -217,6 +303,7 @@ class HwtuneAttention(nn.Module):
 
     def _decode(self, q, keys, values, mask, cache, cache_position):
         bsz, s_max = q.shape[0], keys.shape[2]
+        prefix = None
         if mask is None:   # no padding (transformers skips the mask): every row is at one position
             if cache_position is not None:
                 length = cache_position[-1:] + 1
@@ -224,8 +311,7 @@ class HwtuneAttention(nn.Module):
                 length = getattr(cache.layers[self.layer_idx], "cumulative_length", None)
                 if length is None:
                     return None
-            seq_lens = length.reshape(1).to(torch.int32).expand(bsz)
-            prefix = None
+            seq_lens = length.reshape(1).to(torch.int32).expand(bsz).contiguous()
         else:
             row = mask[:, 0, -1, :]
             valid = row if row.dtype == torch.bool else row == 0
@@ -234,8 +320,9 @@ class HwtuneAttention(nn.Module):
             prefix = ((positions[None, :] < seq_lens[:, None]) == valid).all(dim=-1)
             if not torch.compiler.is_compiling() and not bool(prefix.all()):
                 return None    # a padded row: the model's own attention (eager only: a host sync)
-        out = torch.ops.hwtune.decode_attention(q, keys, values, seq_lens, float(self.scaling), self.table)
-        if prefix is not None and torch.compiler.is_compiling():
+        out = torch.ops.hwtune.decode_attention(q.contiguous(), keys, values, seq_lens,
+                                                float(self.scaling), self.table)
+        if prefix is not None and self._guards_padding and torch.compiler.is_compiling():
             out = torch.where(prefix[:, None, None], out, float("nan"))
         return out
 
@@ -245,11 +332,6 @@ class HwtuneAttention(nn.Module):
         fn = self._attention_function if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
         out, _ = fn(self, q, keys, values, mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return out
-
-
-def _linear(x, weight, bias, table: int):
-    out = torch.ops.hwtune.linear(x, weight, table)
-    return out if bias is None else out + bias
 
 
 def _fuse(linears: list, shared: list):
@@ -338,10 +420,15 @@ def _is_attention(module) -> bool:
 
 
 # --- patch / unpatch -------------------------------------------------------------------------
-def patch(model, table: dispatch.DispatchTable | None = None) -> PatchReport:
+def patch(model, table: dispatch.DispatchTable | None = None, *,
+          stock_through_ops: bool = False) -> PatchReport:
     """Swap the model's norms, MLPs, attention and lm_head for hwtune's in place (see the
     module docstring). `table`: the dispatch table to route through; None: the one set by
-    kernelsearch.dispatch.use(). Returns what was patched and one line per part left stock."""
+    kernelsearch.dispatch.use(). The table's entries are read now: a call whose shape has a
+    tuned entry for this device goes through hwtune's op, any other runs the model's own code
+    (fused projections still one GEMM) unless `stock_through_ops`, where every call goes through
+    the ops and they run stock inside. Returns what was patched and one line per part left
+    stock."""
     if getattr(model, "_hwtune_patch", None) is not None:
         raise ValueError("model is already patched by hwtune: unpatch(model) first")
     report = PatchReport(type(model).__name__)
@@ -363,7 +450,18 @@ def patch(model, table: dispatch.DispatchTable | None = None) -> PatchReport:
         return report
 
     handle = ops.table_handle(table)
-    report.table = f"table {table.data.get('fingerprint_id') or '(no device)'}, {len(table.entries)} entries"
+    entries = list(table.entries)
+    device_type = next(model.parameters()).device.type
+    if entries:
+        from kernelsearch.fingerprint import collect, fingerprint_id
+
+        here = fingerprint_id(collect(device_type))
+        if table.data.get("fingerprint_id") != here:
+            report.stock.append(f"the table's entries are for {table.data.get('fingerprint_id')}, this "
+                                f"{device_type} device is {here}: no tuned kernel, every op stays stock")
+            entries = []
+    report.table = f"table {table.data.get('fingerprint_id') or '(empty)'}: {len(entries)} tuned shapes here"
+    routes = _Routes(handle, entries, stock_through_ops)
     record = _Record(report=report)
     config = model.config
     modeling = __import__(type(model).__module__, fromlist=["eager_attention_forward"])
@@ -393,12 +491,12 @@ def patch(model, table: dispatch.DispatchTable | None = None) -> PatchReport:
         for name in ("input_layernorm", "post_attention_layernorm"):
             module = getattr(layer, name, None)
             if module is not None and _is_rms_norm(module):
-                swap(layer, name, HwtuneRMSNorm(module, handle), "rms_norm")
+                swap(layer, name, HwtuneRMSNorm(module, routes), "rms_norm")
             else:
                 skipped.setdefault(f"layers.*.{name}", type(module).__name__)
         mlp = getattr(layer, "mlp", None)
         if mlp is not None and _is_gated_mlp(mlp, config):
-            swap(layer, "mlp", HwtuneMLP(mlp, handle, record.shared), "mlp")
+            swap(layer, "mlp", HwtuneMLP(mlp, routes, record.shared), "mlp")
         else:
             skipped.setdefault("layers.*.mlp", f"{type(mlp).__name__} (act {getattr(config, 'hidden_act', '?')})")
         attn = getattr(layer, "self_attn", None)
@@ -407,16 +505,17 @@ def patch(model, table: dispatch.DispatchTable | None = None) -> PatchReport:
         if attn is not None and _is_attention(attn):
             for norm in ("q_norm", "k_norm"):
                 if getattr(attn, norm, None) is not None:
-                    swap(attn, norm, HwtuneRMSNorm(getattr(attn, norm), handle), "rms_norm")
-            swap(layer, "self_attn", HwtuneAttention(attn, handle, record.shared, attention_function),
-                 "attention")
+                    swap(attn, norm, HwtuneRMSNorm(getattr(attn, norm), routes), "rms_norm")
+            first = "attention" not in report.patched
+            swap(layer, "self_attn", HwtuneAttention(attn, routes, record.shared, attention_function,
+                                                     guards_padding=first), "attention")
         else:
             skipped.setdefault("layers.*.self_attn", type(attn).__name__)
     if _is_rms_norm(getattr(model.model, "norm", None)):
-        swap(model.model, "norm", HwtuneRMSNorm(model.model.norm, handle), "rms_norm")
+        swap(model.model, "norm", HwtuneRMSNorm(model.model.norm, routes), "rms_norm")
     head = getattr(model, "lm_head", None)
     if type(head) is nn.Linear:
-        swap(model, "lm_head", HwtuneLinear(head, handle), "lm_head")
+        swap(model, "lm_head", HwtuneLinear(head, routes), "lm_head")
     for where, what in skipped.items():
         report.stock.append(f"{where}: {what} does not match the Llama-family module hwtune replaces")
     model._hwtune_patch = record
