@@ -329,7 +329,12 @@ class HwtuneAttention(nn.Module):
     def _model_attention(self, q, keys, values, mask, kwargs):
         # only full-attention layers are patched: no sliding_window argument to pass on
         impl = self.config._attn_implementation
-        fn = self._attention_function if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+        if impl == "eager":
+            fn = self._attention_function
+        elif hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):   # transformers 5
+            fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, self._attention_function)
+        else:
+            fn = ALL_ATTENTION_FUNCTIONS[impl]
         out, _ = fn(self, q, keys, values, mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return out
 
