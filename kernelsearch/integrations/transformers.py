@@ -20,8 +20,11 @@ of the model changes:
   from the mask; anywhere else (prefill, other caches) the model's own attention function;
   o_proj through hwtune::linear;
 - lm_head -> hwtune::linear.
-Each op looks its shape up in the dispatch table: a tuned, verified kernel where the search
-found one, stock (what the model would have run) everywhere else.
+Routing is per shape and read from the dispatch table once, at patch time: a call whose shape
+has a tuned, verified kernel for this device goes through the hwtune op (which runs it); any
+other call runs the model's own code (the fused projections stay one GEMM), which
+torch.compile fuses as it would unpatched, instead of an opaque op running stock inside.
+`stock_through_ops=True` sends every call through the ops (stock inside where untuned).
 
 The fused weights are the only copy: the original q/k/v (gate/up) parameters become views into
 them, so memory does not grow; `unpatch` gives each parameter its own storage back. The
