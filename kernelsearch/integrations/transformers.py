@@ -103,7 +103,7 @@ class _Routes:
     def __init__(self, handle: int, entries: list, every_shape: bool):
         self.handle = handle
         self.every_shape = every_shape
-        self.entries = [(e["kernel"], e["dtype"], dict(e["shape"])) for e in entries]
+        self.entries = [(e.kernel, e.dtype, dict(e.shape)) for e in entries]
 
     def tuned(self, kernel: str, dtype, fixed: dict, free: tuple):
         """The values of the `free` dims of this kernel's entries whose other dims equal `fixed`

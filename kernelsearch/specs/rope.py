@@ -37,6 +37,7 @@ class RopeSpec(KernelSpec):
     name = "rope"
     arg_names = ("q", "k", "cos", "sin")
     out_names = ("q_out", "k_out")
+    stock_name = "x * cos + rotate_half(x) * sin (transformers' apply_rotary_pos_emb)"
 
     def shapes(self, device: str) -> list[dict]:
         if device == "cpu":

@@ -22,6 +22,7 @@ class SwigluSpec(KernelSpec):
     name = "swiglu"
     arg_names = ("gate_up",)
     out_names = ("out",)
+    stock_name = "torch.nn.functional.silu(gate) * up"
 
     def shapes(self, device: str) -> list[dict]:
         if device == "cpu":
