@@ -20,7 +20,7 @@ steps (CUDA events around them, the argmax included), for:
   hwtune + compiled   kernelsearch.integrations.transformers.patch(model, table), then the same
 Correctness, bf16: the prefill logits of the patched model (eager) and the checked steps'
 logits of each mode against hf eager from the same prompt: max |diff| / max |ref| over the
-steps and the share of steps whose greedy tokens all match. Exit 0 when the patched model is
+steps (fed hf eager's tokens, teacher-forced) and the share of steps whose greedy tokens all match. Exit 0 when the patched model is
 within 5e-2 of max |logit| everywhere, else 1. Self-contained: results to stdout
 (the table last), progress to stderr.
 """
@@ -129,10 +129,11 @@ def run_search(args, config, device, dtype_name) -> str:
     return state_dir
 
 
-def run_mode(model, mode, args, device, prompt, compile_kw):
-    """Prefill eagerly; `--check` greedy steps whose logits are kept (they also warm up and
-    compile); `--warmup` more; then `--steps` timed steps. -> (ms per step, checked logits,
-    prefill logits)."""
+def run_mode(model, mode, args, device, prompt, compile_kw, forced=None):
+    """Prefill eagerly; `--check` steps whose logits are kept (they also warm up and compile),
+    fed hf eager's greedy tokens (`forced`) so that a near-tie flipped in one of B sequences does
+    not send that sequence down another path; `--warmup` more; then `--steps` timed greedy
+    steps. -> (ms per step, checked logits, prefill logits, the check steps' tokens)."""
     import torch
     from transformers import StaticCache
 
@@ -153,11 +154,13 @@ def run_mode(model, mode, args, device, prompt, compile_kw):
     with torch.no_grad():
         out = model(prompt, **{kw: cache}, use_cache=True, logits_to_keep=1)
         prefill = out.logits[:, -1].float().clone()
-        token = out.logits[:, -1:].argmax(-1)
-        for _ in range(args.check):
+        token = forced[0] if forced is not None else out.logits[:, -1:].argmax(-1)
+        fed = [token]
+        for i in range(args.check):
             logits = step(token)
             checked.append(logits.float().clone())   # out of the CUDA graph pool before the next replay
-            token = logits.argmax(-1, keepdim=True)
+            token = forced[i + 1] if forced is not None and i + 1 < len(forced) else logits.argmax(-1, keepdim=True)
+            fed.append(token)
         for _ in range(args.warmup):
             token = step(token).argmax(-1, keepdim=True)
         if device == "cuda":
@@ -173,7 +176,7 @@ def run_mode(model, mode, args, device, prompt, compile_kw):
             ms = start.elapsed_time(end) / args.steps
         else:
             ms = (time.perf_counter() - t0) * 1e3 / args.steps
-    return ms, checked, prefill
+    return ms, checked, prefill, fed
 
 
 def compare(ref: list, got: list) -> tuple[float, float]:
@@ -239,17 +242,18 @@ def main(argv=None) -> int:
                 print(f"batch {batch}: {report}")
             try:
                 log(f"batch {batch}: {mode}")
-                results[mode] = run_mode(model, mode, args, device, prompt, compile_kw)
+                forced = results["hf eager"][3] if "hf eager" in results else None
+                results[mode] = run_mode(model, mode, args, device, prompt, compile_kw, forced)
             except Exception as exc:   # a failing mode is a row, not the end of the run
                 log(f"batch {batch}: {mode} failed: {type(exc).__name__}: {exc}")
-                results[mode] = (math.inf, None, None)
+                results[mode] = (math.inf, None, None, None)
             finally:
                 if report is not None:
                     unpatch(model)
                 torch._dynamo.reset()
-        ref_ms, ref_logits, ref_prefill = results["hf eager"]
+        ref_ms, ref_logits, ref_prefill, _ = results["hf eager"]
         compiled_ms = results["hf compiled"][0]
-        for mode, (ms, logits, prefill) in results.items():
+        for mode, (ms, logits, prefill, _) in results.items():
             err = same = prefill_err = None
             if logits is not None and ref_logits is not None:
                 err, same = compare(ref_logits, logits)
