@@ -64,7 +64,7 @@ def sim_measure(host, gpus: list[int], workload: str):
     def measure(point: Point) -> dict:
         rows = []
         for i in gpus:
-            lock = host.gpus.get_locked_sm_clocks_mhz(i)
+            lock = host.gpus.simulated_sm_lock_mhz(i)
             settings = simperf.Settings(power_limit_w=float(host.gpus.get_power_limit_w(i)),
                                         sm_clock_mhz=tuple(lock) if isinstance(lock, (tuple, list)) else None)
             rows.append(simperf.run(workload, settings))

@@ -6,6 +6,7 @@ document on stdout instead.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 DEFAULT_PROFILE = "throughput"
@@ -18,6 +19,21 @@ def _emit(data) -> None:
 
 def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _after_writes(text: str) -> None:
+    """Print once the write sequence is over; a reader that went away (`| head`, a dropped
+    ssh session) changes nothing about the result or the exit code."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        try:  # so the interpreter's own flush at exit does not fail either
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
 
 
 def _add_profile(p) -> None:
@@ -195,11 +211,14 @@ def run_apply(args, ctx) -> int:
         for c in engine.bios_drift(host, profile):
             _log(f"bios drift (not written): {c}")
     except Exception as exc:
-        _log(f"bios: {exc}")
+        try:
+            _log(f"bios: {exc}")
+        except (OSError, ValueError):
+            pass
     if args.json:
-        _emit({"profile": profile.name, **result.to_json()})
+        _after_writes(json.dumps({"profile": profile.name, **result.to_json()}, indent=2) + "\n")
     else:
-        print(f"applied {profile.name}: {len(result.changed)} change(s), {len(result.skipped)} skipped")
+        _after_writes(f"applied {profile.name}: {len(result.changed)} change(s), {len(result.skipped)} skipped\n")
     return 0
 
 
@@ -236,7 +255,7 @@ def run_rollback(args, ctx) -> int:
     host = ctx.open_host()
     restored = engine.rollback(host, ctx.state_dir, _log)
     if args.json:
-        _emit({"restored": [c.to_json() for c in restored]})
+        _after_writes(json.dumps({"restored": [c.to_json() for c in restored]}, indent=2) + "\n")
     elif restored:
-        print(f"rolled back {len(restored)} value(s)")
+        _after_writes(f"rolled back {len(restored)} value(s)\n")
     return 0

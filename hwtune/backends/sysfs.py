@@ -22,6 +22,10 @@ from typing import Callable
 
 from hwtune.errors import HwtuneError, KnobUnavailable
 
+# What may name a directory under the sysfs root: nothing else is ever joined into a path.
+BDF_NAME = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+CPU_NAME = re.compile(r"cpu[0-9]{1,5}")
+STATE_NAME = re.compile(r"state[0-9]{1,3}")
 PCI_EXP_CAP_ID = 0x10
 DEVCTL_OFFSET = 8
 LNKSTA_OFFSET = 0x12
@@ -31,13 +35,23 @@ class ConfigSpaceError(HwtuneError):
     pass
 
 
+class ConfigSpaceUnavailable(ConfigSpaceError, KnobUnavailable):
+    """Config space this process may not see (non-root: 64 bytes) or a function without the
+    PCIe capability: the knob is unavailable here (skipped), not a broken device."""
+
+    def __init__(self, where: str, reason: str, detail: str):
+        self.target = where.replace("pcie ", "pcie:", 1)
+        self.knob, self.reason = "devctl", reason
+        HwtuneError.__init__(self, f"{where}: {detail}")
+
+
 def find_pcie_capability(config: bytes, where: str = "") -> int:
     """Offset of the PCI Express capability in a config-space image."""
     if len(config) < 0x40:
         raise ConfigSpaceError(f"{where}: config space is {len(config)} bytes, need at least 64")
     status = int.from_bytes(config[6:8], "little")
     if not status & 0x10:
-        raise ConfigSpaceError(f"{where}: no capability list (status register bit 4 clear)")
+        raise ConfigSpaceUnavailable(where, "NotSupported", "no capability list (status register bit 4 clear)")
     ptr = config[0x34] & 0xFC
     seen = set()
     while ptr:
@@ -46,14 +60,14 @@ def find_pcie_capability(config: bytes, where: str = "") -> int:
         seen.add(ptr)
         if ptr + 1 >= len(config):
             if len(config) <= 64:
-                raise ConfigSpaceError(
-                    f"{where}: config space shows only {len(config)} bytes (the kernel hides the "
+                raise ConfigSpaceUnavailable(
+                    where, "NoPermission", f"config space shows only {len(config)} bytes (the kernel hides the "
                     "rest from non-root readers; run as root)")
             raise ConfigSpaceError(f"{where}: capability pointer 0x{ptr:02x} beyond config space")
         if config[ptr] == PCI_EXP_CAP_ID:
             return ptr
         ptr = config[ptr + 1] & 0xFC
-    raise ConfigSpaceError(f"{where}: no PCI Express capability (not a PCIe function)")
+    raise ConfigSpaceUnavailable(where, "NotSupported", "no PCI Express capability (not a PCIe function)")
 
 
 class SysfsPcie:
@@ -105,6 +119,8 @@ class SysfsPcie:
 
     def update_devctl(self, bdf: str, mask: int, bits: int) -> None:
         target = f"pcie:{bdf}"
+        if not isinstance(bdf, str) or not BDF_NAME.fullmatch(bdf):
+            raise HwtuneError(f"pcie {str(bdf)[:80]!r}: not a PCI address; refusing to write")
         self.guard_write(f"{target} set_devctl")
         offset = self._cap(bdf) + DEVCTL_OFFSET
         path = self.base / bdf / "config"
@@ -179,6 +195,9 @@ class SysfsCpu:
                 raise HwtuneError(f"{target} {op}: writing {path} failed: {exc.strerror}") from exc
 
     def set_governors(self, mapping: dict) -> None:
+        for cpu in mapping:
+            if not isinstance(cpu, str) or not CPU_NAME.fullmatch(cpu):
+                raise HwtuneError(f"cpu governor: {str(cpu)[:80]!r} is not a CPU name; refusing to write")
         self.guard_write("cpu set_governor")
         self._write_all([(self.base / cpu / "cpufreq/scaling_governor", gov) for cpu, gov in mapping.items()],
                         "cpu", "governor")
@@ -203,6 +222,8 @@ class SysfsCpu:
         self.guard_write("cpu set_cstate_disable")
         files = []
         for key, disabled in mapping.items():
-            cpu, state = key.split("/")
+            cpu, _, state = str(key).partition("/")
+            if not CPU_NAME.fullmatch(cpu) or not STATE_NAME.fullmatch(state):
+                raise HwtuneError(f"cpu idle state {str(key)[:80]!r}: not cpuN/stateK; refusing to write")
             files.append((self.base / cpu / "cpuidle" / state / "disable", "1" if disabled else "0"))
         self._write_all(files, "cpu", "max_cstate_latency_us")
