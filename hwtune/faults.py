@@ -45,12 +45,13 @@ def hit(point: str) -> None:
         return
     if text != _spec_text:
         _spec_text, _spec = text, _parse(text)
+        _counts.clear()
     base = point.split(":", 1)[0]
-    for name, nth, onward, action in _spec:
+    for n, (name, nth, onward, action) in enumerate(_spec):
         if name not in (point, base):
             continue
-        _counts[name] = _counts.get(name, 0) + 1
-        if nth is not None and (_counts[name] < nth if onward else _counts[name] != nth):
+        _counts[n] = count = _counts.get(n, 0) + 1
+        if nth is not None and (count < nth if onward else count != nth):
             continue
         _act(point, action)
 

@@ -257,7 +257,7 @@ def test_full_disk_refuses_before_the_first_hardware_write(tmp_path, small_tmpfs
 def test_disk_full_mid_apply_undoes_commits_and_leaves_no_temp_files(tmp_path):
     sim = make_sim(tmp_path)
     original = status_json(sim)
-    proc = _start(sim, "apply", "-p", "throughput", fault="state.write:journal.json@6=enospc,state.write:journal.json@7=enospc")
+    proc = _start(sim, "apply", "-p", "throughput", fault="state.write:journal.json@6+=enospc")
     _, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 1, err
     _no_traceback(err)
