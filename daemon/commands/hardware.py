@@ -46,17 +46,17 @@ def _add_json(p) -> None:
 
 
 def _profile_name(args, ctx) -> str:
+    """-p, else the config's profile, else the default. The config is held to the daemon's
+    rule when run as root (owned by root, not group/world-writable): it drives root's
+    writes. A config that cannot be used is an error (exit 2), never a silent fallback."""
     if args.profile:
         return args.profile
     if ctx.config_path:
-        try:
-            from daemon.config import load_config
+        from daemon.config import load_config
 
-            name = load_config(ctx.config_path, require_secure=False).profile
-            if name:
-                return name
-        except Exception as exc:  # the config's own command reports its errors
-            _log(f"note: config {ctx.config_path} unreadable ({exc}); using profile {DEFAULT_PROFILE}")
+        name = load_config(ctx.config_path, require_secure=os.geteuid() == 0).profile
+        if name:
+            return name
     return DEFAULT_PROFILE
 
 

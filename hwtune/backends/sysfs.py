@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Callable
 
@@ -76,27 +77,35 @@ class SysfsPcie:
         self.guard_write = guard_write
 
     def _read_attr(self, bdf: str, name: str) -> str:
-        return (self.base / bdf / name).read_text().strip().lower()
+        return read_attr(self.base / bdf / name).strip().lower()
 
     def functions(self) -> list:
         if not self.base.is_dir():
             return []
         out = []
         for d in sorted(self.base.iterdir()):
+            if not BDF_NAME.fullmatch(d.name):
+                continue
             try:
                 out.append({"bdf": d.name, "vendor": self._read_attr(d.name, "vendor"),
                             "device": self._read_attr(d.name, "device"),
                             "class": self._read_attr(d.name, "class")})
-            except OSError:
-                continue
+            except HwtuneError:
+                continue  # not a function hwtune can identify: not one it tunes
         return out
 
     def _config(self, bdf: str) -> bytes:
         path = self.base / bdf / "config"
         try:
-            return path.read_bytes()
+            fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ConfigSpaceError(f"pcie {bdf}: cannot read {path}: not a regular file")
+                return os.pread(fd, 4096, 0)
+            finally:
+                os.close(fd)
         except OSError as exc:
-            raise ConfigSpaceError(f"pcie {bdf}: cannot read {path}: {exc.strerror}") from exc
+            raise ConfigSpaceError(f"pcie {bdf}: cannot read {path}: {exc.strerror}") from None
 
     def _cap(self, bdf: str) -> int:
         return find_pcie_capability(self._config(bdf), f"pcie {bdf}")
@@ -141,6 +150,27 @@ class SysfsPcie:
             os.close(fd)
 
 
+def read_attr(path: Path, limit: int = 1 << 16) -> str:
+    """A sysfs attribute's text. Never blocks (a FIFO planted in a fixture tree), never a raw
+    OSError: an unreadable file is one HwtuneError naming it."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HwtuneError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise HwtuneError(f"cannot read {path}: not a regular file")
+        data = os.read(fd, limit)
+    except OSError as exc:
+        raise HwtuneError(f"cannot read {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise HwtuneError(f"cannot read {path}: not text") from None
+
+
 def _natural(name: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
@@ -161,7 +191,7 @@ class SysfsCpu:
         for d in self._cpu_dirs():
             f = d / "cpufreq/scaling_governor"
             if f.exists():
-                out[d.name] = f.read_text().strip()
+                out[d.name] = read_attr(f).strip()
         return out
 
     def available_governors(self):
@@ -169,7 +199,7 @@ class SysfsCpu:
         for d in self._cpu_dirs():
             f = d / "cpufreq/scaling_available_governors"
             if f.exists():
-                sets.append(f.read_text().split())
+                sets.append(read_attr(f).split())
         if not sets:
             return None
         common = set(sets[0]).intersection(*sets[1:])
@@ -208,14 +238,13 @@ class SysfsCpu:
             idle = d / "cpuidle"
             if not idle.is_dir():
                 continue
-            for s in sorted((s for s in idle.iterdir() if s.name.startswith("state")), key=lambda s: _natural(s.name)):
-                try:
-                    name = (s / "name").read_text().strip() if (s / "name").exists() else s.name
-                    out.append({"cpu": d.name, "state": s.name, "name": name,
-                                "latency_us": int((s / "latency").read_text()),
-                                "disabled": (s / "disable").read_text().strip() == "1"})
-                except (OSError, ValueError):
-                    continue
+            for s in sorted((s for s in idle.iterdir() if STATE_NAME.fullmatch(s.name)), key=lambda s: _natural(s.name)):
+                name = read_attr(s / "name").strip() if (s / "name").exists() else s.name
+                latency = read_attr(s / "latency").strip()
+                if not latency.isdigit():
+                    raise HwtuneError(f"cannot read {s / 'latency'}: {latency[:20]!r} is not a latency")
+                out.append({"cpu": d.name, "state": s.name, "name": name, "latency_us": int(latency),
+                            "disabled": read_attr(s / "disable").strip() == "1"})
         return out
 
     def set_cstates_disabled(self, mapping: dict) -> None:
