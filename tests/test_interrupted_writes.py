@@ -266,3 +266,74 @@ def test_disk_full_mid_apply_undoes_commits_and_leaves_no_temp_files(tmp_path):
     state = Path(str(sim) + ".state")
     assert _journal(sim) is None
     assert sorted(p.name for p in state.iterdir()) in (["lock"], ["lock", "locks.json"])
+
+
+# -- 4: Ctrl-C in `hwtune demo` or in tune's kernel phase ------------------------------------
+
+def _as_argv(command: str) -> list:
+    import shlex
+
+    words = shlex.split(command)
+    assert words[0] == "hwtune"
+    return [sys.executable, "-m", "daemon.cli", *words[1:]]
+
+
+def test_ctrl_c_in_the_kernel_phase_of_tune_prints_the_exact_rollback_command(tmp_path):
+    sim = make_sim(tmp_path)
+    original = status_json(sim)
+    proc = _start(sim, "tune", "--budget", "3", "--kernels", "rmsnorm", "--kernel-budget", "1")
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "kernel search: rmsnorm" in line:
+            break
+    else:
+        raise AssertionError("".join(lines))
+    assert _gpus(sim)[0]["locked_sm_clocks_mhz"] is not None  # the kept point is on the host
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 130, err
+    _no_traceback(err)
+    last = err.strip().splitlines()[-1]
+    assert "during the kernel search" in last and "stays applied and journaled" in last
+    command = last.split("to restore the settings from before hwtune: ", 1)[1]
+    assert f"--sim {sim.resolve()}" in command and f"--state-dir {Path(str(sim) + '.state').resolve()}" in command
+    r = subprocess.run(_as_argv(command), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    assert status_json(sim) == original
+
+
+def test_ctrl_c_in_the_demo_restores_the_host_and_says_how(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "demo", "--simulated", "--out", str(out)], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("$ hwtune") and " tune " in line:
+            break
+    else:
+        raise AssertionError("".join(lines))
+    sim = out / "host.json"
+
+    def tuned():
+        try:
+            return any(g["locked_sm_clocks_mhz"] for g in json.loads(sim.read_text())["gpus"])
+        except (OSError, ValueError):
+            return False
+    import time
+    end = time.monotonic() + WAIT_S
+    while not tuned() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert tuned(), "the tune step never changed the host"
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole group
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    _no_traceback(err)
+    assert f"hwtune --sim {sim} --state-dir {out / 'state'} rollback" in err
+    assert "host restored" in err
+    gpus = json.loads(sim.read_text())["gpus"]
+    assert all(g["locked_sm_clocks_mhz"] is None and g["power_limit_w"] == 700 and not g["persistence_mode"]
+               for g in gpus)
+    assert not (out / "state" / "journal.json").exists()
