@@ -213,11 +213,10 @@ class Service:
         return path
 
     def _write_runtime(self) -> None:
+        from daemon.marker import identity
         from hwtune import statefile
 
         statefile.ensure_dir(self.state_dir)
-        from daemon.marker import identity
-
         statefile.write_json(self.state_dir / RUNTIME_FILE, {
             "pid": os.getpid(), **(identity(os.getpid()) or {}), "started_at": time.time(), "host": self.host.kind,
             "metrics_port": self.metrics.port if self.metrics else None,
@@ -258,9 +257,10 @@ class Service:
 
         self.log(f"{event} during the daemon's own tuning step ({why}): restoring the settings from before hwtune")
         self.status(f"restoring known-good settings after {event}")
-        engine.rollback(self.host, self.state_dir, self.log)
+        # Suspended first: even a restore that fails part way never lets drift re-apply.
         self.state.suspended = f"{event}: {why}"
         self.state.probation = 0
+        engine.rollback(self.host, self.state_dir, self.log)
         if self.metrics:
             self.metrics.inc_restore(event)
             self.metrics.set_profile(None)
@@ -494,12 +494,16 @@ class Service:
                 raise HwtuneError(f"{exc}; nothing was applied") from None
             self.log(f"metrics on http://{self.config.metrics.address}:{port}/metrics")
         if not self.host.read_only:
+            self._write_runtime()  # the state directory takes writes: checked before the hardware
             self.status("waiting for the writer lock" if _lock_held_by_other(self.state_dir) else "recovering")
             self.recover(wait_s=START_LOCK_WAIT_S)
             self.apply_profile("start")
         if self.metrics and self.state.profile_name and self.state.suspended is None:
             self.metrics.set_profile(self.state.profile_name)
-        self._write_runtime()
+        try:
+            self._write_runtime()
+        except HwtuneError as exc:  # the host is tuned and watched: keep going, say it
+            self.log(f"{exc}; `hwtune tune` will not see this daemon's profile")
         self.poll()
         if self.once:
             self.log("--once: checked once, exiting with the settings in place")

@@ -128,7 +128,7 @@ class Guard:
             self.last_xid[i] = self.host.gpus.telemetry(i).get("xid_errors")
 
     def on_sigterm(self, signum, frame) -> None:
-        self.stop_reason = "asked to stop (SIGTERM)"
+        self.stop_reason = f"asked to stop ({signal_name(signum)})"
 
     def check(self) -> None:
         if self.marker is not None:
@@ -269,6 +269,7 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
         return m
 
     old_term = signal.signal(signal.SIGTERM, guard.on_sigterm)
+    old_hup = signal.signal(signal.SIGHUP, guard.on_sigterm)  # a dropped session: restore, too
     marker.write()
     t0 = time.monotonic()
     try:
@@ -301,6 +302,7 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
         raise
     finally:
         signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGHUP, old_hup)
         marker.remove()
     report["seconds"] = round(time.monotonic() - t0, 2)
 

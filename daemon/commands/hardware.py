@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+from hwtune.errors import HwtuneError
+
 DEFAULT_PROFILE = "throughput"
 
 
@@ -178,7 +180,11 @@ def run_plan(args, ctx) -> int:
         bios = engine.bios_drift(host, profile)
     except Exception as exc:
         skipped.append(f"bios: {exc}")
-    pending = engine.pending_journal(ctx.state_dir)
+    try:
+        pending = engine.pending_journal(ctx.state_dir)
+    except HwtuneError as exc:  # a damaged or untrusted journal: plan still answers, and says so
+        skipped.append(f"journal: {exc}")
+        pending = True
     if args.json:
         _emit({"profile": profile.name, "source": profile.source, "changes": [c.to_json() for c in changes],
                "skipped": skipped, "bios_drift": [c.to_json() for c in bios],
