@@ -5,6 +5,13 @@ durably -> write -> read back. Changes are grouped per target (a GPU, a PCIe fun
 CPUs). A knob the device refuses (NoPermission / NotSupported) skips its whole target,
 whose earlier changes are undone first: a GPU is never half-applied. Any other failure
 undoes every change of this apply in reverse order and raises.
+
+Never "done" while the host is changed: journal space is reserved before the first write;
+signals are held while writing (hwtune.signals: undo or finish, then exit 128 + signo); a
+closed terminal never stops the sequence; every restore is read back, and rollback keeps in
+the journal whatever did not take or could not be read, naming it (exit 1). Rollback takes
+the lock before it reads the journal, and checks every entry against its knob's own device
+namespace before it writes anything.
 """
 from __future__ import annotations
 
