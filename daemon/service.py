@@ -27,7 +27,6 @@ standard library.
 """
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import signal
@@ -48,20 +47,11 @@ TUNING_MARKER = "tuning.json"   # written by daemon/tune.py while a tuning cycle
 RUNTIME_FILE = "daemon.json"    # pid and metrics port of the running daemon
 LAST_TUNE_FILE = "last_tune.json"
 START_LOCK_WAIT_S = 60          # at start, wait this long for a live apply to release the lock
+STOP_LOCK_WAIT_S = 10           # at stop (rollback: on_exit), this long
 
 
 def _stderr(line: str) -> None:
     print(f"hwtune daemon: {line}", file=sys.stderr, flush=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _lock_held_by_other(state_dir: Path) -> int | None:
@@ -381,8 +371,12 @@ class Service:
         first = self.state.last_tune_mtime is None
         self.state.last_tune_mtime = mtime
         if self.metrics is not None:
+            from hwtune import statefile
+
             try:
-                self.metrics.set_last_tune(json.loads(path.read_text()))
+                last = statefile.read_json(path, "last tune record")
+                if isinstance(last, dict):
+                    self.metrics.set_last_tune(last)
             except (OSError, ValueError, HwtuneError) as exc:
                 self.log(f"{path}: {exc}")
         if not first and self._tuned_profile_path() is not None:
@@ -440,16 +434,23 @@ class Service:
                     out.append(f"gpu{i} {event}: {why}")
         return out
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Stop (rollback: on_exit restores first). False when the restore was not complete."""
         from hwtune import engine
 
-        if self.config.rollback == "on_exit":
+        ok = True
+        if self.config.rollback == "on_exit" and not self.host.read_only:
             self.notifier.stopping(status="stopping: restoring the settings from before hwtune (rollback: on_exit)")
             self.log("stopping: rollback on_exit, restoring journaled originals")
             try:
-                engine.rollback(self.host, self.state_dir, self.log)
+                engine.rollback(self.host, self.state_dir, self.log, wait_s=STOP_LOCK_WAIT_S)
             except LockBusyError as exc:
-                self.log(f"stopping: rollback skipped, another writer holds the lock ({exc}); run `hwtune rollback`")
+                ok = False
+                self.log(f"stopping: rollback skipped, another writer holds the lock ({exc}); "
+                         f"run: {self.ctx.command('rollback')}")
+            except HwtuneError as exc:
+                ok = False
+                self.log(f"stopping: {exc}")
         else:
             self.notifier.stopping(status="stopping: keeping the settings (rollback: never)")
             self.log("stopping: rollback never, settings kept")
@@ -459,6 +460,7 @@ class Service:
             (self.state_dir / RUNTIME_FILE).unlink()
         except OSError:
             pass
+        return ok
 
     def run(self) -> int:
         self.config = self._load_config()
@@ -497,7 +499,8 @@ class Service:
             self._write_runtime()  # the state directory takes writes: checked before the hardware
             self.status("waiting for the writer lock" if _lock_held_by_other(self.state_dir) else "recovering")
             self.recover(wait_s=START_LOCK_WAIT_S)
-            self.apply_profile("start")
+            if not self._stop:  # asked to stop while waiting for the lock: apply nothing
+                self.apply_profile("start")
         if self.metrics and self.state.profile_name and self.state.suspended is None:
             self.metrics.set_profile(self.state.profile_name)
         try:
@@ -540,5 +543,4 @@ class Service:
                         pass
                 except (BlockingIOError, InterruptedError):
                     pass
-        self.stop()
-        return 0
+        return 0 if self.stop() else 1

@@ -1,8 +1,9 @@
 """State files (STATE_DIR: journal, lock, locks.json, markers): hwtune runs as root, so no
 other user may steer what it writes or what it trusts.
 
-- The state directory is made 0700 and must be ours (or root's); its mode is set explicitly,
-  whatever the umask, and a symbolic link in its place is refused.
+- The state directory is created 0700 (whatever the umask: mkdir's mode only loses bits);
+  an existing one must be ours (or root's) and writable by nobody else, and is never
+  chmod-ed (`--state-dir /tmp` must not change /tmp); a symbolic link in its place is refused.
 - A file is replaced through a temporary file that `mkstemp` makes inside that directory
   (O_CREAT | O_EXCL | O_NOFOLLOW, a random name, so a planted link is never followed), given
   its mode explicitly (0600), fsynced, renamed over the target, and the directory fsynced.
@@ -84,12 +85,9 @@ def ensure_dir(path) -> Path:
         if not _owner_ok(st.st_uid):
             raise StateError(f"state directory {path}: owned by uid {st.st_uid}, not by this user or root; "
                              "refusing to use it")
-        if st.st_uid == os.geteuid():
-            if stat.S_IMODE(st.st_mode) != DIR_MODE:
-                os.fchmod(fd, DIR_MODE)
-        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise StateError(f"state directory {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users "
-                             "write in it; refusing to use it")
+                             f"write in it; refusing to use it (chmod 0700 {path}, or choose another --state-dir)")
     finally:
         os.close(fd)
     return path

@@ -337,3 +337,18 @@ def test_ctrl_c_in_the_demo_restores_the_host_and_says_how(tmp_path):
     assert all(g["locked_sm_clocks_mhz"] is None and g["power_limit_w"] == 700 and not g["persistence_mode"]
                for g in gpus)
     assert not (out / "state" / "journal.json").exists()
+
+
+def test_a_dropped_session_sighup_and_a_dead_terminal_still_undo_and_exit_129(tmp_path):
+    # ssh goes away: SIGHUP, and every later write to the terminal fails.
+    sim = make_sim(tmp_path)
+    original = status_json(sim)
+    proc = _start(sim, "apply", "-p", "throughput", fault="device.write@4=pause:30", stdout=subprocess.PIPE,
+                  stderr=subprocess.STDOUT)
+    for line in proc.stdout:
+        if line.startswith("hwtune-fault: paused at"):
+            break
+    proc.stdout.close()
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=WAIT_S) == 129
+    assert status_json(sim) == original and _journal(sim) is None

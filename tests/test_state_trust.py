@@ -84,18 +84,23 @@ def test_a_symlink_planted_at_the_lock_path_is_refused_and_never_followed(open_d
     state = _loose_state(open_dir)
     as_user(lambda: os.symlink(victim, state / "lock"))
     r = run_hwtune("--sim", sim, "--state-dir", state, "apply", "-p", "throughput")
+    assert r.returncode != 0 and "lets other users write in it" in r.stderr and "Traceback" not in r.stderr
+    # Even in a directory that is only ours, a link at the lock path is never followed.
+    state.chmod(0o700)
+    r = run_hwtune("--sim", sim, "--state-dir", state, "apply", "-p", "throughput")
     assert r.returncode != 0 and "symbolic link" in r.stderr and "Traceback" not in r.stderr
     assert victim.read_text() == "precious\n" and _mode(victim) == 0o600
-    assert _mode(state) == 0o700  # taken back from the other user before anything else
     assert status_json(sim) == original
 
 
 @needs_root
-def test_symlinks_at_the_old_predictable_temp_names_are_never_followed(open_dir, tmp_path):
-    sim = make_sim(tmp_path)
+def test_symlinks_at_the_old_predictable_temp_names_are_never_followed(open_dir):
+    simdir = _loose_state(open_dir).rename(open_dir / "simdir")  # the simulated host's dir: others may write
+    sim = make_sim(simdir)
     victim = _victim(open_dir)
     state = _loose_state(open_dir)
-    # The old temp name was .journal.json.<pid>.tmp: plant it for the pids coming next.
+    # The old temp name was .NAME.<pid>.tmp: plant it for the pids coming next, while the state
+    # directory still let others in; it is made 0700 afterwards, the links stay.
     probe = subprocess.Popen(["true"])
     probe.wait()
     pids = range(probe.pid, probe.pid + 300)
@@ -104,7 +109,9 @@ def test_symlinks_at_the_old_predictable_temp_names_are_never_followed(open_dir,
         for pid in pids:
             for name in ("journal.json", "locks.json", "daemon.json"):
                 os.symlink(victim, state / f".{name}.{pid}.tmp")
+            os.symlink(victim, simdir / f".host.json.{pid}.tmp")
     as_user(plant)
+    state.chmod(0o700)
     proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--sim", str(sim), "--state-dir", str(state),
                              "apply", "-p", "throughput"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -112,9 +119,10 @@ def test_symlinks_at_the_old_predictable_temp_names_are_never_followed(open_dir,
     if proc.pid not in pids:
         pytest.skip(f"the apply got pid {proc.pid}, outside the planted range (a busy machine)")
     assert proc.returncode == 0, err
-    assert victim.read_text() == "precious\n"
+    assert victim.read_text() == "precious\n" and _mode(victim) == 0o600
     assert json.loads((state / "journal.json").read_text())["status"] == "committed"
-    assert not (state / "journal.json").is_symlink()
+    assert not (state / "journal.json").is_symlink() and not sim.is_symlink()
+    assert json.loads(sim.read_text())["gpus"][0]["persistence_mode"] is True
 
 
 def test_state_modes_are_explicit_whatever_the_umask(tmp_path):
@@ -147,6 +155,9 @@ def test_a_journal_planted_by_another_user_is_refused_before_any_write(open_dir,
     state = _loose_state(open_dir)
     as_user(lambda: (state / "journal.json").write_text(_planted_journal(POWER_200)))
     assert (state / "journal.json").stat().st_uid == NOBODY
+    r = run_hwtune("--sim", sim, "--state-dir", state, "rollback")
+    assert r.returncode == 1 and "lets other users write in it" in r.stderr  # the directory first
+    state.chmod(0o700)  # tightened later: the planted file is still there
     r = run_hwtune("--sim", sim, "--state-dir", state, "rollback")
     assert r.returncode == 1 and "owned by uid 65534" in r.stderr and "Traceback" not in r.stderr
     assert all(g["power_limit_w"] == 700 for g in json.loads(sim.read_text())["gpus"])
