@@ -38,6 +38,12 @@ class StateError(HwtuneError):
     """A state file or directory hwtune must not trust or cannot use."""
 
 
+class StateDirError(StateError):
+    """A state directory that cannot be made or must not be used: bad input, nothing written."""
+
+    exit_code = 2
+
+
 class StateWriteError(StateError):
     def __init__(self, message: str, errno_: int | None = None):
         self.errno = errno_
@@ -66,27 +72,27 @@ def ensure_dir(path) -> Path:
             except FileExistsError:
                 pass
             except OSError as exc:
-                raise StateError(f"state directory {path}: cannot create {parent}: {_why(exc)}") from None
+                raise StateDirError(f"state directory {path}: cannot create {parent}: {_why(exc)}") from None
     try:
         os.mkdir(path, DIR_MODE)
     except FileExistsError:
         pass
     except OSError as exc:
-        raise StateError(f"state directory {path}: cannot create: {_why(exc)}") from None
+        raise StateDirError(f"state directory {path}: cannot create: {_why(exc)}") from None
     try:
         fd = os.open(str(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise StateError(f"state directory {path}: not a directory (a symbolic link or a file); "
+            raise StateDirError(f"state directory {path}: not a directory (a symbolic link or a file); "
                              "refusing to use it") from None
-        raise StateError(f"state directory {path}: {_why(exc)}") from None
+        raise StateDirError(f"state directory {path}: {_why(exc)}") from None
     try:
         st = os.fstat(fd)
         if not _owner_ok(st.st_uid):
-            raise StateError(f"state directory {path}: owned by uid {st.st_uid}, not by this user or root; "
+            raise StateDirError(f"state directory {path}: owned by uid {st.st_uid}, not by this user or root; "
                              "refusing to use it")
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise StateError(f"state directory {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users "
+            raise StateDirError(f"state directory {path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users "
                              f"write in it; refusing to use it (chmod 0700 {path}, or choose another --state-dir)")
     finally:
         os.close(fd)

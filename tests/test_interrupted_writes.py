@@ -239,19 +239,36 @@ def test_full_disk_refuses_before_the_first_hardware_write(tmp_path, small_tmpfs
     sim = make_sim(tmp_path)
     original = status_json(sim)
     state = small_tmpfs / "state"
-    written = sim.read_bytes()
-    filler = _fill(small_tmpfs, 4096)
+    written = os.stat(sim)
+    filler = _fill(small_tmpfs, 8192)  # room for the lock and the first journal write, not the rest
     r = run_hwtune("--sim", sim, "--state-dir", state, "apply", "-p", "throughput")
     assert r.returncode == 1, r.stderr
     _no_traceback(r.stderr)
     assert "no space left on device" in r.stderr.strip().splitlines()[-1]
-    assert sim.read_bytes() == written  # not one hardware write
+    assert "restor" not in r.stderr  # refused, not written and undone
+    now = os.stat(sim)  # every simulated write replaces the file: not one happened
+    assert (now.st_ino, now.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
     assert not (state / "journal.json").exists()
     assert [p.name for p in state.iterdir() if p.name != "lock"] == []
     filler.unlink()
     assert run_hwtune("--sim", sim, "--state-dir", state, "apply", "-p", "throughput").returncode == 0
     assert run_hwtune("--sim", sim, "--state-dir", state, "rollback").returncode == 0
     assert status_json(sim) == original
+
+
+def test_a_disk_that_fills_up_mid_apply_is_absorbed_by_the_reserve(tmp_path, small_tmpfs):
+    # The space set aside before the first write is what the rest of the journal uses when
+    # something else fills the disk meanwhile: the apply completes, nothing is left behind.
+    sim = make_sim(tmp_path)
+    state = small_tmpfs / "state"
+    proc = _start(sim, "--state-dir", str(state), "apply", "-p", "throughput", fault="device.write@3=pause:2")
+    _wait_pause(proc)
+    _fill(small_tmpfs, 0)
+    _, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 0, err
+    assert json.loads((state / "journal.json").read_text())["status"] == "committed"
+    assert sorted(p.name for p in state.iterdir()) == ["journal.json", "lock", "locks.json"]
+    assert run_hwtune("--sim", sim, "--state-dir", state, "verify", "-p", "throughput").returncode == 0
 
 
 def test_disk_full_mid_apply_undoes_commits_and_leaves_no_temp_files(tmp_path):

@@ -84,7 +84,7 @@ def test_a_symlink_planted_at_the_lock_path_is_refused_and_never_followed(open_d
     state = _loose_state(open_dir)
     as_user(lambda: os.symlink(victim, state / "lock"))
     r = run_hwtune("--sim", sim, "--state-dir", state, "apply", "-p", "throughput")
-    assert r.returncode != 0 and "lets other users write in it" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "lets other users write in it" in r.stderr and "Traceback" not in r.stderr
     # Even in a directory that is only ours, a link at the lock path is never followed.
     state.chmod(0o700)
     r = run_hwtune("--sim", sim, "--state-dir", state, "apply", "-p", "throughput")
@@ -156,7 +156,7 @@ def test_a_journal_planted_by_another_user_is_refused_before_any_write(open_dir,
     as_user(lambda: (state / "journal.json").write_text(_planted_journal(POWER_200)))
     assert (state / "journal.json").stat().st_uid == NOBODY
     r = run_hwtune("--sim", sim, "--state-dir", state, "rollback")
-    assert r.returncode == 1 and "lets other users write in it" in r.stderr  # the directory first
+    assert r.returncode == 2 and "lets other users write in it" in r.stderr  # the directory first
     state.chmod(0o700)  # tightened later: the planted file is still there
     r = run_hwtune("--sim", sim, "--state-dir", state, "rollback")
     assert r.returncode == 1 and "owned by uid 65534" in r.stderr and "Traceback" not in r.stderr
