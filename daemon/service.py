@@ -207,6 +207,7 @@ class Service:
         from hwtune import statefile
 
         statefile.ensure_dir(self.state_dir)
+        statefile.clean_leftovers(self.state_dir, (RUNTIME_FILE,), reserves=False)  # a killed daemon's
         statefile.write_json(self.state_dir / RUNTIME_FILE, {
             "pid": os.getpid(), **(identity(os.getpid()) or {}), "started_at": time.time(), "host": self.host.kind,
             "metrics_port": self.metrics.port if self.metrics else None,

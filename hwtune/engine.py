@@ -339,7 +339,7 @@ def apply(host, profile, state_dir, log: Callable[[str], None] = _stderr, on_sig
     log = _quiet(log)
     if host.read_only:
         raise ReadOnlyError("read-only mode: apply refused before any write (`hwtune plan` shows what it would change)")
-    with WriterLock(state_dir):
+    with WriterLock(state_dir), signals.Deferred() as sig:
         statefile.clean_leftovers(state_dir, (JOURNAL_NAME, "locks.json"))
         try:
             pending = pending_journal(state_dir)
@@ -355,23 +355,28 @@ def apply(host, profile, state_dir, log: Callable[[str], None] = _stderr, on_sig
         result = ApplyResult(skipped=list(skipped))
         if not changes:
             log(f"nothing to change: the host already matches profile {profile.name}")
+            _stop_if_signalled(sig, "before any write; nothing was written")
             return result
         journal = Journal(state_dir)
         # A full disk is found here, before the first write, not half way through.
-        statefile.reserve(state_dir, _reserve_bytes(journal, changes))
         try:
-            with signals.Deferred() as sig:
-                _apply_changes(host, profile, journal, changes, result, log, sig, on_signal)
-                if sig.stop is not None:
-                    raise signals.Interrupted(sig.stop, (
-                        f"{signals.name(sig.stop)} arrived as the apply finished: {len(result.changed)} change(s) "
-                        f"applied and journaled (`hwtune rollback` undoes them)"))
+            statefile.reserve(state_dir, _reserve_bytes(journal, changes))
+            _apply_changes(host, profile, journal, changes, result, log, sig, on_signal)
+            _stop_if_signalled(sig, f"as the apply finished: {len(result.changed)} change(s) applied and "
+                                    "journaled (`hwtune rollback` undoes them)")
         finally:
             statefile.release(state_dir)
         return result
 
 
+def _stop_if_signalled(sig, what: str) -> None:
+    if sig.stop is not None:
+        raise signals.Interrupted(sig.stop, f"{signals.name(sig.stop)} arrived {what}")
+
+
 def _apply_changes(host, profile, journal: Journal, changes: list, result: ApplyResult, log, sig, on_signal) -> None:
+    if on_signal == "undo":
+        _stop_if_signalled(sig, "before the first write; nothing was written")
     journal.begin(profile.name)
     done: list = []  # (change, value to put back) of this apply, in order
     added: list = []  # journal keys this apply created

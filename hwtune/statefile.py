@@ -259,9 +259,9 @@ def release(directory) -> bool:
     return True
 
 
-def clean_leftovers(directory, names: tuple) -> None:
-    """Remove temporary and reserve files a killed writer of `names` left in `directory`
-    (call with the writer lock held)."""
+def clean_leftovers(directory, names: tuple, reserves: bool = True) -> None:
+    """Remove temporary files a killed writer of `names` left in `directory`, and reserve
+    files when `reserves` (only with the writer lock held: a live apply owns its reserve)."""
     try:
         entries = os.listdir(directory)
     except OSError:
@@ -269,7 +269,7 @@ def clean_leftovers(directory, names: tuple) -> None:
     mine = set(_reserves.values())
     for entry in entries:
         full = os.path.join(directory, entry)
-        stale = entry.startswith(RESERVE_PREFIX) or any(
+        stale = (reserves and entry.startswith(RESERVE_PREFIX)) or any(
             entry.startswith(f".{n}.") and entry.endswith(".tmp") for n in names)
         if not stale or full in mine:
             continue

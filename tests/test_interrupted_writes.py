@@ -369,3 +369,35 @@ def test_a_dropped_session_sighup_and_a_dead_terminal_still_undo_and_exit_129(tm
     proc.send_signal(signal.SIGHUP)
     assert proc.wait(timeout=WAIT_S) == 129
     assert status_json(sim) == original and _journal(sim) is None
+
+
+def _settings(sim):
+    d = json.loads(Path(sim).read_text())
+    return ([(g["persistence_mode"], g["power_limit_w"], g["locked_sm_clocks_mhz"], g["locked_memory_clocks_mhz"])
+             for g in d["gpus"]], [p["devctl"] for p in d["pcie"]],
+            [(c["governor"], [s["disable"] for s in c["cstates"]]) for c in d["cpu"]["cpus"]])
+
+
+KILL_POINTS = ([f"device.write@{n}" for n in (1, 4, 7, 12)] + [f"device.written@{n}" for n in (1, 6, 12)]
+               + ["journal.record@1", "journal.record@9", "clocks.written@1", "clocks.written@4",
+                  "clocks.recorded@3", "state.write:journal.json@1", "state.write:journal.json@13",
+                  "state.write:locks.json@2", "state.reserve"])
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+@pytest.mark.parametrize("action", ["kill", "term", "enospc"])
+def test_any_crash_signal_or_full_disk_inside_apply_leaves_a_host_rollback_restores_exactly(tmp_path, point, action):
+    sim = _nvml_like_sim(tmp_path)
+    original = _settings(sim)
+    proc = _start(sim, "apply", "-p", "throughput", fault=f"{point}={action}")
+    _, err = proc.communicate(timeout=WAIT_S)
+    _no_traceback(err)
+    assert proc.returncode in {"kill": (-9,), "term": (143,), "enospc": (0, 1)}[action], err
+    journal = _journal(sim)
+    if action != "kill":  # nothing half done: undone (no journal) or whole (committed)
+        assert journal is None or journal["status"] == "committed", err
+        assert journal is not None or _settings(sim) == original
+    rb = run_hwtune("--sim", sim, "rollback")
+    assert rb.returncode == 0, rb.stderr
+    assert _settings(sim) == original
+    assert _journal(sim) is None
