@@ -33,6 +33,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _tell(line: str) -> None:
+    """The last word on stderr; a terminal that is gone must not change the exit code."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def _fn_name(prefix: str, command: str) -> str:
     return f"{prefix}_{command.replace('-', '_')}"
 
@@ -72,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args, ctx) or 0)
     except HwtuneError as exc:
-        print(f"hwtune {args.command}: {exc}", file=sys.stderr)
+        _tell(f"hwtune {args.command}: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
-        print(f"hwtune {args.command}: interrupted", file=sys.stderr)
+        _tell(f"hwtune {args.command}: interrupted")
         return 130
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,17 @@ class Context:
             read_only=args.read_only or _truthy(os.environ.get("HWTUNE_READ_ONLY")),
             profile_dir=args.profile_dir,
         )
+
+    def command(self, *args: str) -> str:
+        """The exact `hwtune` command line for this host and state directory, e.g. the
+        rollback to print when a run is interrupted."""
+        parts = ["hwtune"]
+        if self.sim_path:
+            parts += ["--sim", str(Path(self.sim_path).resolve())]
+        elif str(self.sysfs_root) not in ("", "/"):
+            parts += ["--sysfs-root", str(Path(self.sysfs_root).resolve())]
+        parts += ["--state-dir", str(Path(self.state_dir).resolve()), *args]
+        return shlex.join(parts)
 
     def open_host(self, bios=None):
         """The host the hardware loop works on: simulated (--sim) or real (NVML + sysfs)."""

@@ -27,7 +27,6 @@ standard library.
 """
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import signal
@@ -47,20 +46,12 @@ PROBATION_POLLS = 2
 TUNING_MARKER = "tuning.json"   # written by daemon/tune.py while a tuning cycle runs
 RUNTIME_FILE = "daemon.json"    # pid and metrics port of the running daemon
 LAST_TUNE_FILE = "last_tune.json"
+START_LOCK_WAIT_S = 60          # at start, wait this long for a live apply to release the lock
+STOP_LOCK_WAIT_S = 10           # at stop (rollback: on_exit), this long
 
 
 def _stderr(line: str) -> None:
     print(f"hwtune daemon: {line}", file=sys.stderr, flush=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _lock_held_by_other(state_dir: Path) -> int | None:
@@ -94,15 +85,14 @@ def _lock_held_by_other(state_dir: Path) -> int | None:
     return None
 
 
-def tuning_pid(state_dir: Path) -> int | None:
-    """Pid of a live tuning cycle (STATE_DIR/tuning.json) or of another lock holder."""
-    try:
-        marker = json.loads((state_dir / TUNING_MARKER).read_text())
-        pid = int(marker.get("pid", 0))
-        if pid > 0 and pid != os.getpid() and _pid_alive(pid):
-            return pid
-    except (OSError, ValueError, AttributeError):
-        pass
+def tuning_pid(state_dir: Path, log=None) -> int | None:
+    """Pid of a live tuning cycle (STATE_DIR/tuning.json, its identity checked: daemon.marker)
+    or of another lock holder."""
+    from daemon.marker import live_tuner
+
+    pid = live_tuner(state_dir, log)
+    if pid is not None:
+        return pid
     return _lock_held_by_other(state_dir)
 
 
@@ -135,6 +125,7 @@ class State:
     signalled: set = field(default_factory=set)    # (pid, event) already asked to restore
     drift: int = 0
     last_tune_mtime: float | None = None
+    resume_when_clear: bool = False  # a reload came during a safety event: apply once it clears
 
 
 class Service:
@@ -154,8 +145,14 @@ class Service:
         self._stop = False
         self._reload = False
         self._wake_r = self._wake_w = None
+        self._said: set = set()
 
     # -- helpers ---------------------------------------------------------------------------
+    def _log_once(self, line: str) -> None:
+        if line not in self._said:
+            self._said.add(line)
+            self.log(line)
+
     def status(self, text: str) -> None:
         if text != self._status:
             self._status = text
@@ -180,38 +177,52 @@ class Service:
         self.state.profile_name = getattr(self.state.profile, "name", name) if name else None
 
     def _tuned_profile_path(self) -> Path | None:
-        """STATE_DIR/tuned-profile.yaml when the last tune kept it for the configured profile."""
+        """STATE_DIR/tuned-profile.yaml when the last tune kept it for the configured profile.
+        Both files must be trusted state files (ours, not writable by others) and the kept
+        profile must lie in the state directory: a planted last_tune.json names nothing."""
+        from hwtune import statefile
+
         try:
-            last = json.loads((self.state_dir / LAST_TUNE_FILE).read_text())
-        except (OSError, ValueError):
+            last = statefile.read_json(self.state_dir / LAST_TUNE_FILE, "last tune record")
+        except statefile.StateError as exc:
+            self._log_once(f"{exc}; ignored")
             return None
         path = last.get("kept_profile") if isinstance(last, dict) else None
-        if not path or last.get("base_profile") != self.config.profile or not self.config.profile:
+        if not isinstance(path, str) or last.get("base_profile") != self.config.profile or not self.config.profile:
             return None
-        return Path(path) if Path(path).exists() else None
+        path = Path(path)
+        if path.parent.resolve() != self.state_dir.resolve() or path.name != "tuned-profile.yaml":
+            self._log_once(f"{LAST_TUNE_FILE} names {path}, not the tuned profile of {self.state_dir}; ignored")
+            return None
+        try:
+            if statefile.read_bytes(path, "tuned profile") is None:
+                return None
+        except statefile.StateError as exc:
+            self._log_once(f"{exc}; ignored")
+            return None
+        return path
 
     def _write_runtime(self) -> None:
-        from hwtune.backends import write_json_atomic
+        from daemon.marker import identity
+        from hwtune import statefile
 
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.state_dir / RUNTIME_FILE, {
-            "pid": os.getpid(), "started_at": time.time(), "host": self.host.kind,
+        statefile.ensure_dir(self.state_dir)
+        statefile.clean_leftovers(self.state_dir, (RUNTIME_FILE,), reserves=False)  # a killed daemon's
+        statefile.write_json(self.state_dir / RUNTIME_FILE, {
+            "pid": os.getpid(), **(identity(os.getpid()) or {}), "started_at": time.time(), "host": self.host.kind,
             "metrics_port": self.metrics.port if self.metrics else None,
             "profile": self.state.profile_name, "base_profile": self.config.profile,
             "torch_imported": "torch" in sys.modules})
 
     # -- hardware --------------------------------------------------------------------------
-    def recover(self) -> None:
+    def recover(self, wait_s: float = 0) -> None:
+        """Restore a journal an interrupted apply left. The lock comes first (waiting up to
+        wait_s for a live apply to finish): a live apply's journal is never taken for a dead one."""
         from hwtune import engine
 
-        pending = engine.pending_journal(self.state_dir)
-        if pending is None:
-            return
-        who = ", ".join(f"{p.get('profile')} (pid {p.get('pid')})" for p in pending.get("profiles", [])) or "unknown"
-        self.status("recovering: restoring the journal an interrupted apply left")
-        self.log(f"journal left by an interrupted apply of {who}: restoring {len(pending['entries'])} original value(s)")
-        restored = engine.rollback(self.host, self.state_dir, self.log)
-        self.log(f"recovered: {len(restored)} value(s) restored")
+        restored = engine.recover(self.host, self.state_dir, self.log, wait_s=wait_s)
+        if restored is not None:
+            self.log(f"recovered: {len(restored)} value(s) restored")
 
     def apply_profile(self, why: str) -> bool:
         from hwtune import engine
@@ -237,9 +248,10 @@ class Service:
 
         self.log(f"{event} during the daemon's own tuning step ({why}): restoring the settings from before hwtune")
         self.status(f"restoring known-good settings after {event}")
-        engine.rollback(self.host, self.state_dir, self.log)
+        # Suspended first: even a restore that fails part way never lets drift re-apply.
         self.state.suspended = f"{event}: {why}"
         self.state.probation = 0
+        engine.rollback(self.host, self.state_dir, self.log)
         if self.metrics:
             self.metrics.inc_restore(event)
             self.metrics.set_profile(None)
@@ -249,7 +261,7 @@ class Service:
     def poll(self) -> None:
         from hwtune import engine
 
-        tuner = tuning_pid(self.state_dir)
+        tuner = tuning_pid(self.state_dir, self._log_once)
         gpus = self.host.gpus.count() if self.host.gpus is not None else 0
         events_now: list[tuple[int, str, str]] = []
         for i in range(gpus):
@@ -306,8 +318,18 @@ class Service:
             self.state.probation -= 1
         if self.state.suspended is None and engine.pending_journal(self.state_dir) is not None:
             # A tuning run died mid-apply while we watched: restore, then re-apply.
-            self.recover()
+            try:
+                self.recover()
+            except LockBusyError as exc:
+                self.log(f"recovery postponed: {exc}")
+                return
             self.apply_profile("after recovering an interrupted apply")
+            return
+        if self.state.resume_when_clear and not events_now:
+            self.state.resume_when_clear = False
+            self.state.suspended = None
+            self.log("the safety event cleared: applying the reloaded profile")
+            self.apply_profile("reload, after the safety event cleared")
             return
         self._read_last_tune()
         self.check_drift()
@@ -350,8 +372,12 @@ class Service:
         first = self.state.last_tune_mtime is None
         self.state.last_tune_mtime = mtime
         if self.metrics is not None:
+            from hwtune import statefile
+
             try:
-                self.metrics.set_last_tune(json.loads(path.read_text()))
+                last = statefile.read_json(path, "last tune record")
+                if isinstance(last, dict):
+                    self.metrics.set_last_tune(last)
             except (OSError, ValueError, HwtuneError) as exc:
                 self.log(f"{path}: {exc}")
         if not first and self._tuned_profile_path() is not None:
@@ -375,22 +401,57 @@ class Service:
             return
         self.config = config
         self._load_profile()
-        self.state.suspended = None
         self.log(f"config reloaded from {self.config_path or '<defaults>'}: profile {self.state.profile_name}")
         self.state.last_apply = -1e18
+        standing = self.standing_events()
+        if standing:
+            # Never re-apply into a thermal event or a power brake: wait until it clears.
+            why = "; ".join(standing)
+            self.state.suspended = f"reload during a safety event ({why})"
+            self.state.resume_when_clear = True
+            self.log(f"reload: a safety event stands ({why}): profile {self.state.profile_name} is not "
+                     "re-applied until it clears")
+            if self.metrics:
+                self.metrics.set_profile(None)
+            self.notifier.ready(status=f"reloaded; profile {self.state.profile_name} waits for the safety event to clear")
+            return
+        self.state.suspended = None
+        self.state.resume_when_clear = False
         self.apply_profile("reload")
         self.notifier.ready(status=f"reloaded; profile {self.state.profile_name}")
 
-    def stop(self) -> None:
+    def standing_events(self) -> list[str]:
+        """Thermal / power-brake events standing now on any GPU (those restore_on answers)."""
+        out = []
+        n = self.host.gpus.count() if self.host.gpus is not None else 0
+        for i in range(n):
+            try:
+                t = self.host.gpus.telemetry(i)
+            except HwtuneError as exc:
+                out.append(f"gpu{i} telemetry unreadable ({exc})")
+                continue
+            for event, why in safety_events(t, self.config.thermal.max_temperature_c, None):
+                if event in self.config.restore_on:
+                    out.append(f"gpu{i} {event}: {why}")
+        return out
+
+    def stop(self) -> bool:
+        """Stop (rollback: on_exit restores first). False when the restore was not complete."""
         from hwtune import engine
 
-        if self.config.rollback == "on_exit":
+        ok = True
+        if self.config.rollback == "on_exit" and not self.host.read_only:
             self.notifier.stopping(status="stopping: restoring the settings from before hwtune (rollback: on_exit)")
             self.log("stopping: rollback on_exit, restoring journaled originals")
             try:
-                engine.rollback(self.host, self.state_dir, self.log)
+                engine.rollback(self.host, self.state_dir, self.log, wait_s=STOP_LOCK_WAIT_S)
             except LockBusyError as exc:
-                self.log(f"stopping: rollback skipped, another writer holds the lock ({exc}); run `hwtune rollback`")
+                ok = False
+                self.log(f"stopping: rollback skipped, another writer holds the lock ({exc}); "
+                         f"run: {self.ctx.command('rollback')}")
+            except HwtuneError as exc:
+                ok = False
+                self.log(f"stopping: {exc}")
         else:
             self.notifier.stopping(status="stopping: keeping the settings (rollback: never)")
             self.log("stopping: rollback never, settings kept")
@@ -400,6 +461,7 @@ class Service:
             (self.state_dir / RUNTIME_FILE).unlink()
         except OSError:
             pass
+        return ok
 
     def run(self) -> int:
         self.config = self._load_config()
@@ -414,9 +476,8 @@ class Service:
         self._wake_w.setblocking(False)
         signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
 
-        if not self.host.read_only:
-            self.recover()
-            self.apply_profile("start")
+        # Everything that can fail is checked and bound before the first hardware write: a
+        # daemon that cannot serve its metrics exits with the host untouched.
         if self.config.metrics.enabled and not self.once:
             from daemon.metrics import Metrics
 
@@ -425,16 +486,28 @@ class Service:
             n = self.host.gpus.count() if self.host.gpus is not None else 0
             for i in range(n):
                 self.metrics.set_gpu_info(i, self.host.gpus.info(i))
-            if self.state.profile_name and self.state.suspended is None:
-                self.metrics.set_profile(self.state.profile_name)
             if self.config.dispatch_table and Path(self.config.dispatch_table).exists():
                 try:
                     self.metrics.load_dispatch_table(self.config.dispatch_table)
                 except HwtuneError as exc:
                     self.log(str(exc))
-            port = self.metrics.serve(self.config.metrics.address, self.config.metrics.port)
+            try:
+                port = self.metrics.serve(self.config.metrics.address, self.config.metrics.port)
+            except HwtuneError as exc:
+                raise HwtuneError(f"{exc}; nothing was applied") from None
             self.log(f"metrics on http://{self.config.metrics.address}:{port}/metrics")
-        self._write_runtime()
+        if not self.host.read_only:
+            self._write_runtime()  # the state directory takes writes: checked before the hardware
+            self.status("waiting for the writer lock" if _lock_held_by_other(self.state_dir) else "recovering")
+            self.recover(wait_s=START_LOCK_WAIT_S)
+            if not self._stop:  # asked to stop while waiting for the lock: apply nothing
+                self.apply_profile("start")
+        if self.metrics and self.state.profile_name and self.state.suspended is None:
+            self.metrics.set_profile(self.state.profile_name)
+        try:
+            self._write_runtime()
+        except HwtuneError as exc:  # the host is tuned and watched: keep going, say it
+            self.log(f"{exc}; `hwtune tune` will not see this daemon's profile")
         self.poll()
         if self.once:
             self.log("--once: checked once, exiting with the settings in place")
@@ -471,5 +544,4 @@ class Service:
                         pass
                 except (BlockingIOError, InterruptedError):
                     pass
-        self.stop()
-        return 0
+        return 0 if self.stop() else 1

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from hwtune import hwloop
 from hwtune.errors import HwtuneError, LockBusyError, PendingJournalError, UsageError
+from hwtune.signals import Interrupted
+from hwtune.signals import name as signal_name
 from hwtune.hwloop import AbortSearch, Objective, Point, Space
 
 TUNING_MARKER = "tuning.json"
@@ -64,7 +66,7 @@ def sim_measure(host, gpus: list[int], workload: str):
     def measure(point: Point) -> dict:
         rows = []
         for i in gpus:
-            lock = host.gpus.get_locked_sm_clocks_mhz(i)
+            lock = host.gpus.simulated_sm_lock_mhz(i)
             settings = simperf.Settings(power_limit_w=float(host.gpus.get_power_limit_w(i)),
                                         sm_clock_mhz=tuple(lock) if isinstance(lock, (tuple, list)) else None)
             rows.append(simperf.run(workload, settings))
@@ -114,10 +116,11 @@ def gpu_measure(host, gpus: list[int], seconds: float = 2.0):
 class Guard:
     """Stops the search at a safe point after SIGTERM or a safety event in the telemetry."""
 
-    def __init__(self, host, gpus: list[int], max_temperature_c: float, restore_on, log):
+    def __init__(self, host, gpus: list[int], max_temperature_c: float, restore_on, log, marker=None):
         from daemon.service import safety_events
 
         self.host, self.gpus, self.max_t, self.restore_on, self.log = host, gpus, max_temperature_c, restore_on, log
+        self.marker = marker
         self._events = safety_events
         self.stop_reason: str | None = None
         self.last_xid = {}
@@ -125,9 +128,11 @@ class Guard:
             self.last_xid[i] = self.host.gpus.telemetry(i).get("xid_errors")
 
     def on_sigterm(self, signum, frame) -> None:
-        self.stop_reason = "asked to stop (SIGTERM)"
+        self.stop_reason = f"asked to stop ({signal_name(signum)})"
 
     def check(self) -> None:
+        if self.marker is not None:
+            self.marker.renew()  # still alive: the daemon keeps its drift checks paused
         if self.stop_reason:
             raise AbortSearch(self.stop_reason)
         for i in self.gpus:
@@ -153,10 +158,10 @@ def _select_gpus(host, wanted) -> list[int]:
 
 
 def _write_json(path: Path, data) -> None:
-    from hwtune.backends import write_json_atomic
+    from hwtune import statefile
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, data)
+    statefile.ensure_dir(path.parent)
+    statefile.write_json(path, data)
 
 
 def run_kernels(ctx, kernels, device: str, budget: str, log) -> list[dict]:
@@ -227,14 +232,12 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
     if engine.pending_journal(state_dir) is not None:
         raise PendingJournalError(f"an interrupted apply left a journal in {state_dir}; "
                                   "run `hwtune rollback` (or start the daemon) first")
-    marker = state_dir / TUNING_MARKER
-    try:
-        other = json.loads(marker.read_text()).get("pid")
-        if other and other != os.getpid():
-            os.kill(int(other), 0)
-            raise LockBusyError(f"pid {other} is already tuning ({marker})")
-    except (OSError, ValueError, AttributeError):
-        pass
+    from daemon.marker import Marker, live_tuner
+
+    other = live_tuner(state_dir)
+    if other is not None:
+        raise LockBusyError(f"pid {other} is already tuning ({state_dir / TUNING_MARKER})")
+    marker = Marker(state_dir, objective=opts.objective)
 
     from daemon.config import Config, load_config
 
@@ -242,7 +245,7 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
     if opts.nightly and ctx.config_path is not None:
         config = load_config(ctx.config_path)
     base_profile = config.profile or _daemon_base_profile(state_dir)
-    guard = Guard(host, gpus, config.thermal.max_temperature_c, config.restore_on, log)
+    guard = Guard(host, gpus, config.thermal.max_temperature_c, config.restore_on, log, marker)
     applier = hwloop.HostApplier(host, state_dir, gpus, space.sm_clock_min_mhz, log=lambda s: None)
     baseline = applier.baseline()
     report["baseline"] = baseline.to_json()
@@ -266,7 +269,8 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
         return m
 
     old_term = signal.signal(signal.SIGTERM, guard.on_sigterm)
-    _write_json(marker, {"pid": os.getpid(), "started_at": time.time(), "objective": opts.objective})
+    old_hup = signal.signal(signal.SIGHUP, guard.on_sigterm)  # a dropped session: restore, too
+    marker.write()
     t0 = time.monotonic()
     try:
         result = hwloop.search(space, measure, apply_point, objective, opts.budget, "boundary", log)
@@ -285,35 +289,67 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
         # checks drift again, or it would put its profile back over it.
         _record(state_dir, report, result, kept, baseline, gpus, space, opts, source, base_profile)
     except BaseException:
-        # Whatever went wrong, leave the host where it started.
+        # Whatever went wrong, leave the host where it started; a signal during this restore
+        # is held until it is done (on_signal="finish").
         try:
-            hwloop.finish(hwloop.SearchResult("boundary", objective, space, aborted="error"), applier,
-                          baseline, False, log)
+            hwloop.finish(hwloop.SearchResult("boundary", objective, space, aborted="error"),
+                          lambda p: applier(p, on_signal="finish"), baseline, False, log)
+        except Interrupted:
+            pass  # restored; the signal that came meanwhile changes nothing more
         except HwtuneError as exc:
-            log(f"could not restore {baseline.label()}: {exc}; run `hwtune rollback`")
+            log(f"could not restore {baseline.label()}: {exc}; to restore the settings from before "
+                f"hwtune: {ctx.command('rollback')}")
         raise
     finally:
         signal.signal(signal.SIGTERM, old_term)
-        try:
-            marker.unlink()
-        except OSError:
-            pass
+        signal.signal(signal.SIGHUP, old_hup)
+        marker.remove()
     report["seconds"] = round(time.monotonic() - t0, 2)
 
     if opts.kernels and not result.aborted:
         device = "cuda" if not simulated and _has_cuda() else "cpu"
-        report["kernels"] = run_kernels(ctx, opts.kernels, device, opts.kernel_budget, log)
+        report["kernels"] = _kernel_phase(ctx, opts, device, kept, baseline, log)
     return report
 
 
-def _daemon_base_profile(state_dir: Path) -> str | None:
-    """The configured profile of a daemon running on this state directory, if any."""
+class _Stop(BaseException):
+    pass
+
+
+def _kernel_phase(ctx, opts, device, kept, baseline, log) -> list:
+    """The inner loop. An interrupt here (Ctrl-C, SIGTERM, SIGHUP) leaves the kept point in
+    place, journaled, and says exactly how to undo it."""
+    def stop(signum, frame):
+        raise _Stop(signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        info = json.loads((state_dir / "daemon.json").read_text())
-        os.kill(int(info["pid"]), 0)
-        return info.get("base_profile")
-    except (OSError, ValueError, KeyError, TypeError):
+        return run_kernels(ctx, opts.kernels, device, opts.kernel_budget, log)
+    except (KeyboardInterrupt, _Stop) as exc:
+        signo = exc.args[0] if isinstance(exc, _Stop) else signal.SIGINT
+        left = (f"the point the tune kept ({kept.label()}) stays applied and journaled"
+                if kept != baseline else "the settings are the ones the tune started from")
+        hint = f"; to restore the settings from before hwtune: {ctx.command('rollback')}" if kept != baseline else ""
+        raise Interrupted(signo, f"interrupted by {signal_name(signo)} during the kernel search: {left}{hint}") from None
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _daemon_base_profile(state_dir: Path) -> str | None:
+    """The configured profile of the daemon running on this state directory, if any: its
+    daemon.json must be trusted and name the live daemon (pid and start time)."""
+    from daemon.marker import matches
+    from hwtune import statefile
+
+    try:
+        info = statefile.read_json(state_dir / "daemon.json", "daemon runtime file")
+    except statefile.StateError:
         return None
+    if not isinstance(info, dict) or not isinstance(info.get("pid"), int) or matches(info, info["pid"]):
+        return None
+    base = info.get("base_profile")
+    return base if isinstance(base, str) else None
 
 
 def _record(state_dir, report, result, kept, baseline, gpus, space, opts, source, base_profile) -> None:

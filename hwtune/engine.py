@@ -5,6 +5,13 @@ durably -> write -> read back. Changes are grouped per target (a GPU, a PCIe fun
 CPUs). A knob the device refuses (NoPermission / NotSupported) skips its whole target,
 whose earlier changes are undone first: a GPU is never half-applied. Any other failure
 undoes every change of this apply in reverse order and raises.
+
+Never "done" while the host is changed: journal space is reserved before the first write;
+signals are held while writing (hwtune.signals: undo or finish, then exit 128 + signo); a
+closed terminal never stops the sequence; every restore is read back, and rollback keeps in
+the journal whatever did not take or could not be read, naming it (exit 1). Rollback takes
+the lock before it reads the journal, and checks every entry against its knob's own device
+namespace before it writes anything.
 """
 from __future__ import annotations
 
@@ -13,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hwtune.errors import HwtuneError, KnobUnavailable, PendingJournalError, ReadOnlyError
-from hwtune.journal import COMMITTED, IN_PROGRESS, Journal, read_journal
+from hwtune import faults, signals, statefile
+from hwtune import journal as journal_mod
+from hwtune.errors import HwtuneError, KnobUnavailable, PendingJournalError, ReadOnlyError, UsageError
+from hwtune.journal import COMMITTED, IN_PROGRESS, NAME as JOURNAL_NAME, Journal, read_journal
 from hwtune.knobs import KNOBS, BadValue
 from hwtune.knobs.pcie import decode_devctl
 from hwtune.lock import WriterLock
@@ -62,6 +71,12 @@ class ApplyResult:
 
 
 class ApplyFailed(HwtuneError):
+    exit_code = 1
+
+
+class DeviceReadError(HwtuneError):
+    """A device value plan needs could not be read (exit 1, before any write)."""
+
     exit_code = 1
 
 
@@ -178,6 +193,7 @@ def plan_report(host, profile, state_dir) -> tuple:
     _bind(host, state_dir)
     changes: list = []
     skipped: list = []
+    unreadable: list = []
     for family, cls in KNOBS.items():
         knob = cls()
         section = getattr(profile, knob.section)
@@ -195,12 +211,19 @@ def plan_report(host, profile, state_dir) -> tuple:
                 current = knob.read(host, target)
             except BadValue as exc:
                 raise profile.error(exc.key, exc.message) from None
-            except HwtuneError as exc:  # unavailable, unreadable: skip this knob, say why
+            except UsageError:  # bad input (a malformed simulated host): exit 2 as it is
+                raise
+            except KnobUnavailable as exc:  # the device refuses this knob here: skip it, say why
                 skipped.append(str(exc))  # the errors name their target and knob
+                continue
+            except HwtuneError as exc:  # a device that cannot be read: no plan can be trusted
+                unreadable.append(f"{target} {family}: {exc}")
                 continue
             for name, new in want.items():
                 if not knob.same(host, target, name, current.get(name), new):
                     changes.append(Change(target, name, current.get(name), new, family))
+    if unreadable:
+        raise DeviceReadError(f"cannot read {'; '.join(unreadable)}; nothing was written")
     order = list(dict.fromkeys(c.target for c in changes))
     changes.sort(key=lambda c: order.index(c.target))  # stable: knob order within a target
     return changes, skipped
@@ -225,24 +248,67 @@ def verify(host, profile, state_dir) -> list:
 
 
 def pending_journal(state_dir) -> dict | None:
+    """The journal an interrupted apply (or an incomplete rollback) left, else None."""
     j = read_journal(state_dir)
-    return j if j is not None and j.get("status") == IN_PROGRESS else None
+    return j if j is not None and (j.get("status") == IN_PROGRESS or j.get("unreadable")) else None
 
 
 # --- apply -------------------------------------------------------------------------------
+class _Stopped(Exception):
+    """A held signal asks the sequence to stop at this step boundary."""
+
+    def __init__(self, signo: int):
+        self.signo = signo
+        super().__init__(f"interrupted by {signals.name(signo)}")
+
+
+def _quiet(log: Callable[[str], None]) -> Callable[[str], None]:
+    """`log` that never raises: a closed terminal or pipe (`| head`, a dropped ssh session)
+    must not stop a write sequence half way. After the first failure it stays silent."""
+    dead = []
+
+    def out(line: str) -> None:
+        if dead:
+            return
+        try:
+            log(line)
+        except (OSError, ValueError):
+            dead.append(True)
+    return out
+
+
+def _entry_name(change) -> str:
+    return f"{change.target} {change.knob}"
+
+
+def _restore(host, knob, target: str, name: str, value) -> tuple:
+    """Put `value` back unless a real read shows it in place ("reset" of locked clocks is
+    always re-issued), then read back. Returns (restored?, read-back problem or None)."""
+    current = knob.read(host, target).get(name)
+    if not knob.must_reissue(name, value) and knob.same(host, target, name, current, value):
+        return False, None
+    faults.hit("restore.write")
+    knob.restore(host, target, name, value)
+    faults.hit("restore.written")
+    after = knob.read(host, target).get(name)
+    if not knob.restored(host, target, name, after, value):
+        return True, f"read back {_fmt(after)} after restoring {_fmt(knob.show(host, target, name, value))}"
+    return True, None
+
+
 def _undo(host, items: list, log) -> list:
-    """Put back (change, value) pairs in reverse order; returns the failures."""
+    """Put back (change, value) pairs in reverse order, each read back; returns the failures."""
     failures = []
     for change, value in reversed(items):
         knob = KNOBS[change.family]()
         try:
-            now = knob.read(host, change.target).get(change.knob)
-            if knob.same(host, change.target, change.knob, now, value):
-                continue  # never changed (the failing write did not happen)
-            knob.restore(host, change.target, change.knob, value)
-            log(f"restored {change.target} {change.knob} = {_fmt(knob.show(host, change.target, change.knob, value))}")
+            wrote, problem = _restore(host, knob, change.target, change.knob, value)
+            if problem:
+                failures.append(f"{_entry_name(change)}: {problem}")
+            elif wrote:
+                log(f"restored {change.target} {change.knob} = {_fmt(knob.show(host, change.target, change.knob, value))}")
         except BaseException as exc:  # keep restoring the rest
-            failures.append(f"{change.target} {change.knob}: {exc}")
+            failures.append(f"{_entry_name(change)}: {exc}")
     return failures
 
 
@@ -257,12 +323,28 @@ def _undo_value(knob, host, target, name):
     return value
 
 
-def apply(host, profile, state_dir, log: Callable[[str], None] = _stderr) -> ApplyResult:
+def _reserve_bytes(journal: Journal, changes: list) -> int:
+    """Room for the journal at its largest (temp file + old file) and the clock record."""
+    probe = [{"target": c.target, "family": c.family, "field": c.knob, "original": c.old,
+              "recorded_at": 0.0} for c in changes]
+    clocks = sum(1 for c in changes if c.family == "gpu_clocks")
+    return 2 * (journal.size_with(probe) + 160 * clocks + 4096) + 16384
+
+
+def apply(host, profile, state_dir, log: Callable[[str], None] = _stderr, on_signal: str = "undo") -> ApplyResult:
+    """Journal, write, read back. SIGTERM / SIGHUP / SIGINT are held while it writes: with
+    on_signal="undo" the changes made so far are undone at the next step, with "finish" the
+    apply completes; either way Interrupted (exit 128 + signo) is raised at the end."""
     _bind(host, state_dir)
+    log = _quiet(log)
     if host.read_only:
         raise ReadOnlyError("read-only mode: apply refused before any write (`hwtune plan` shows what it would change)")
-    with WriterLock(state_dir):
-        pending = pending_journal(state_dir)
+    with WriterLock(state_dir), signals.Deferred() as sig:
+        statefile.clean_leftovers(state_dir, (JOURNAL_NAME, "locks.json"))
+        try:
+            pending = pending_journal(state_dir)
+        except HwtuneError as exc:
+            raise PendingJournalError(f"{exc}; apply refused until then") from None
         if pending is not None:
             raise PendingJournalError(
                 f"an interrupted apply left {len(pending['entries'])} journaled original value(s) in "
@@ -273,97 +355,226 @@ def apply(host, profile, state_dir, log: Callable[[str], None] = _stderr) -> App
         result = ApplyResult(skipped=list(skipped))
         if not changes:
             log(f"nothing to change: the host already matches profile {profile.name}")
+            _stop_if_signalled(sig, "before any write; nothing was written")
             return result
         journal = Journal(state_dir)
-        journal.begin(profile.name)
-        done: list = []  # (change, value to put back) of this apply, in order
-        added: list = []  # journal keys this apply created
-        groups: dict = {}
-        for c in changes:
-            groups.setdefault(c.target, []).append(c)
-        for target, group in groups.items():
-            target_done: list = []
-            target_added: list = []
-            current = None
-            try:
-                for change in group:
-                    knob = KNOBS[change.family]()
-                    before = _undo_value(knob, host, target, change.knob)
-                    current = (change, before)
-                    if journal.record(target, change.family, change.knob, knob.original(host, target, change.knob)):
-                        target_added.append((target, change.knob))
-                    knob.write(host, target, change.knob, change.new)
-                    target_done.append((change, before))
-                    now = knob.read(host, target).get(change.knob)
-                    if not knob.same(host, target, change.knob, now, change.new):
-                        raise HwtuneError(f"{target} {change.knob}: read back {_fmt(now)} after writing {_fmt(change.new)}")
-                    log(f"set {change}")
-            except KnobUnavailable as exc:
-                failures = _undo(host, target_done, log)
-                if not failures:
-                    journal.forget(target_added)
-                    journal.save()
-                    line = f"{target}: {exc.knob} {exc.reason}; skipped {target}, left as it was"
-                    log(f"skip {line}")
-                    result.skipped.append(line)
-                    continue
-                why = f"{exc}; undoing {target} failed: {'; '.join(failures)}"
-                _fail(host, journal, done, added, why, log)
-            except BaseException as exc:
-                # The failing write may have happened: put it back too.
-                if current is not None and current not in target_done:
-                    target_done.append(current)
-                _fail(host, journal, done + target_done, added + target_added, str(exc) or type(exc).__name__, log)
-            done.extend(target_done)
-            added.extend(target_added)
-            result.changed.extend(c for c, _ in target_done)
-        journal.finish(COMMITTED)
+        # A full disk is found here, before the first write, not half way through.
+        try:
+            statefile.reserve(state_dir, _reserve_bytes(journal, changes))
+            _apply_changes(host, profile, journal, changes, result, log, sig, on_signal)
+            _stop_if_signalled(sig, f"as the apply finished: {len(result.changed)} change(s) applied and "
+                                    "journaled (`hwtune rollback` undoes them)")
+        finally:
+            statefile.release(state_dir)
         return result
 
 
-def _fail(host, journal: Journal, done: list, added: list, why: str, log) -> None:
-    log(f"apply failed: {why}; restoring {len(done)} change(s)")
+def _stop_if_signalled(sig, what: str) -> None:
+    if sig.stop is not None:
+        raise signals.Interrupted(sig.stop, f"{signals.name(sig.stop)} arrived {what}")
+
+
+def _apply_changes(host, profile, journal: Journal, changes: list, result: ApplyResult, log, sig, on_signal) -> None:
+    if on_signal == "undo":
+        _stop_if_signalled(sig, "before the first write; nothing was written")
+    journal.begin(profile.name)
+    done: list = []  # (change, value to put back) of this apply, in order
+    added: list = []  # journal keys this apply created
+    groups: dict = {}
+    for c in changes:
+        groups.setdefault(c.target, []).append(c)
+    for target, group in groups.items():
+        target_done: list = []
+        target_added: list = []
+        current = None
+        try:
+            for change in group:
+                if on_signal == "undo" and sig.stop is not None:
+                    raise _Stopped(sig.stop)
+                knob = KNOBS[change.family]()
+                before = _undo_value(knob, host, target, change.knob)
+                current = (change, before)
+                if journal.record(target, change.family, change.knob, knob.original(host, target, change.knob)):
+                    target_added.append((target, change.knob))
+                faults.hit("device.write")
+                knob.write(host, target, change.knob, change.new)
+                target_done.append((change, before))
+                faults.hit("device.written")
+                now = knob.read(host, target).get(change.knob)
+                if not knob.same(host, target, change.knob, now, change.new):
+                    raise HwtuneError(f"{target} {change.knob}: read back {_fmt(now)} after writing {_fmt(change.new)}")
+                log(f"set {change}")
+        except KnobUnavailable as exc:
+            failures = _undo(host, target_done, log)
+            if not failures:
+                journal.forget(target_added)
+                try:
+                    journal.save()
+                except HwtuneError as save_exc:
+                    _fail(host, journal, done, added + target_added, f"{exc}; then {save_exc}", log, sig)
+                line = f"{target}: {exc.knob} {exc.reason}; skipped {target}, left as it was"
+                log(f"skip {line}")
+                result.skipped.append(line)
+                continue
+            why = f"{exc}; undoing {target} failed: {'; '.join(failures)}"
+            _fail(host, journal, done, added + target_added, why, log, sig)
+        except BaseException as exc:
+            # The failing write may have happened: put it back too.
+            if current is not None and current not in target_done:
+                target_done.append(current)
+            why = str(exc) or type(exc).__name__
+            _fail(host, journal, done + target_done, added + target_added, why, log, sig,
+                  exc.signo if isinstance(exc, _Stopped) else None)
+        done.extend(target_done)
+        added.extend(target_added)
+        result.changed.extend(c for c, _ in target_done)
+    journal.finish(COMMITTED)
+
+
+def _fail(host, journal: Journal, done: list, added: list, why: str, log, sig, signo: int | None = None) -> None:
+    signo = signo if signo is not None else sig.stop
+    head = f"interrupted by {signals.name(signo)}" if signo is not None and why.startswith("interrupted") else f"apply failed: {why}"
+    log(f"{head}; restoring {len(done)} change(s)")
     failures = _undo(host, done, log)
     if failures:
-        journal.save()  # stays in_progress: rollback restores the originals
-        raise ApplyFailed(f"apply failed: {why}; could not restore {'; '.join(failures)}; run `hwtune rollback`")
+        try:
+            journal.save()  # stays in_progress: rollback restores the originals
+        except HwtuneError:
+            pass  # the journal on disk is in progress and holds every original already
+        text = f"{head}; could not restore {'; '.join(failures)}; run `hwtune rollback`"
+        raise signals.Interrupted(signo, text) if signo is not None else ApplyFailed(text)
     journal.forget(added)
-    journal.finish(COMMITTED)
-    raise ApplyFailed(f"apply failed: {why}; restored {len(done)} change(s), the host is as it was")
+    try:
+        journal.finish(COMMITTED)
+        end = "the host is as it was"
+    except HwtuneError as exc:
+        end = f"the host is as it was, but the journal could not be updated ({exc}); `hwtune rollback` clears it"
+    text = f"{head}; restored {len(done)} change(s), {end}"
+    raise signals.Interrupted(signo, text) if signo is not None else ApplyFailed(text)
 
 
 # --- rollback ----------------------------------------------------------------------------
-def rollback(host, state_dir, log: Callable[[str], None] = _stderr) -> list:
-    """Restore every journaled original in reverse order, then remove the journal."""
+class RollbackIncomplete(HwtuneError):
+    exit_code = 1
+
+
+def _check_entries(host, loaded) -> tuple:
+    """(entries rollback may restore, unreadable lines): each entry is checked against its
+    knob's own device namespace before anything is written."""
+    valid, bad = [], list(loaded.unreadable)
+    for n, e in enumerate(loaded.entries, 1):
+        label = f"{str(e['target'])[:60]} {str(e['field'])[:60]}"
+        cls = KNOBS.get(e["family"])
+        if cls is None:
+            bad.append(f"{label}: unknown family {str(e['family'])[:40]!r}")
+            continue
+        try:
+            why = cls().journal_problem(host, e["target"], e["field"], e["original"])
+        except Exception as exc:
+            why = f"cannot be checked against this host ({exc})"
+        if why:
+            bad.append(f"{label}: {why}")
+        else:
+            valid.append(e)
+    return valid, bad
+
+
+def _summary(items: list, limit: int = 6) -> str:
+    shown = "; ".join(items[:limit])
+    return shown + (f"; and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def rollback(host, state_dir, log: Callable[[str], None] = _stderr, wait_s: float = 0,
+             only_pending: bool = False):
+    """Restore every journaled original in reverse order, each read back, then remove the
+    journal. The lock is taken (waiting up to `wait_s`) before the journal is read. Entries
+    that did not take, and any the journal could not give back, stay in it: RollbackIncomplete
+    (exit 1) names them. Signals are held until the sequence is done (then Interrupted).
+    only_pending: restore only a journal an interrupted apply left (the daemon at start);
+    returns None when there is none."""
     _bind(host, state_dir)
-    j = read_journal(state_dir)
-    if j is None or not j["entries"]:
-        log("nothing to roll back: no journal")
-        if j is not None and not host.read_only:
-            Journal(state_dir).remove()
-        return []
+    log = _quiet(log)
     if host.read_only:
-        raise ReadOnlyError(f"read-only mode: rollback of {len(j['entries'])} journaled value(s) refused; nothing was written")
-    with WriterLock(state_dir):
-        journal = Journal(state_dir)
-        restored, failed = [], []
-        for entry in reversed(journal.entries):
-            knob = KNOBS[entry["family"]]()
-            target, name, original = entry["target"], entry["field"], entry["original"]
-            try:
-                current = knob.read(host, target).get(name)
-                if not knob.same(host, target, name, current, original):
-                    knob.restore(host, target, name, original)
-                    restored.append(Change(target, name, current, original, entry["family"]))
-                    log(f"restored {target} {name}: {_fmt(current)} -> {_fmt(knob.show(host, target, name, original))}")
-            except BaseException as exc:
-                failed.append((entry, exc))
-                log(f"could not restore {target} {name}: {exc}")
-        if failed:
-            journal.data["entries"] = [e for e in journal.entries if any(e is f for f, _ in failed)]
-            journal.data["status"] = IN_PROGRESS
-            journal.save()
-            raise HwtuneError(f"rollback: {len(failed)} value(s) not restored ({failed[0][1]}); "
-                              f"they stay in {journal.path}")
-        journal.remove()
+        loaded = journal_mod.load(state_dir)
+        if loaded is None or (not loaded.entries and not loaded.unreadable) or (
+                only_pending and loaded.data.get("status") != IN_PROGRESS and not loaded.torn):
+            if not only_pending:
+                log("nothing to roll back: no journal")
+            return None if only_pending else []
+        raise ReadOnlyError(f"read-only mode: rollback of {len(loaded.entries)} journaled value(s) refused; "
+                            "nothing was written")
+    with WriterLock(state_dir, wait_s):
+        statefile.clean_leftovers(state_dir, (JOURNAL_NAME, "locks.json"))
+        loaded = journal_mod.load(state_dir)
+        if loaded is None:
+            if not only_pending:
+                log("nothing to roll back: no journal")
+            return None if only_pending else []
+        if only_pending and loaded.data.get("status") != IN_PROGRESS and not loaded.torn and not loaded.unreadable:
+            return None
+        journal = Journal(state_dir, loaded.data)
+        valid, unreadable = _check_entries(host, loaded)
+        if not valid and not unreadable:
+            log("nothing to roll back: the journal is empty")
+            journal.remove()
+            return None if only_pending else []
+        if only_pending:
+            who = ", ".join(f"{p.get('profile')} (pid {p.get('pid')})" for p in loaded.data.get("profiles", [])
+                            if isinstance(p, dict)) or "unknown"
+            log(f"journal left by an interrupted apply of {who}: restoring {len(valid)} original value(s)")
+        with signals.Deferred() as sig:
+            restored, failed = [], []
+            for entry in reversed(valid):
+                knob = KNOBS[entry["family"]]()
+                target, name, original = entry["target"], entry["field"], entry["original"]
+                try:
+                    before = knob.read(host, target).get(name)
+                    wrote, problem = _restore(host, knob, target, name, original)
+                    if problem:
+                        failed.append((entry, problem))
+                        log(f"could not restore {target} {name}: {problem}")
+                    elif wrote:
+                        restored.append(Change(target, name, before, original, entry["family"]))
+                        log(f"restored {target} {name}: {_fmt(before)} -> {_fmt(knob.show(host, target, name, original))}")
+                except Exception as exc:
+                    failed.append((entry, str(exc) or type(exc).__name__))
+                    log(f"could not restore {target} {name}: {exc}")
+            if failed or unreadable:
+                _keep(journal, loaded, [e for e in valid if any(e is f for f, _ in failed)], unreadable, log)
+                parts = []
+                if failed:
+                    parts.append(f"{len(failed)} value(s) not restored: "
+                                 + _summary([f"{e['target']} {e['field']} ({why})" for e, why in failed]))
+                if unreadable:
+                    parts.append(f"{len(unreadable)} journal entr{'y' if len(unreadable) == 1 else 'ies'} "
+                                 f"unreadable, not restored: " + _summary(unreadable))
+                text = (f"rollback: {len(restored)} value(s) restored; " + "; ".join(parts)
+                        + f"; they stay in {journal.path}")
+                if sig.stop is not None:
+                    raise signals.Interrupted(sig.stop, f"{signals.name(sig.stop)} during rollback (finished first): {text}")
+                raise RollbackIncomplete(text)
+            journal.remove()
+            if sig.stop is not None:
+                raise signals.Interrupted(sig.stop, f"{signals.name(sig.stop)} during rollback: finished first, "
+                                                    f"{len(restored)} value(s) restored, journal removed")
         return restored
+
+
+def _keep(journal: Journal, loaded, entries: list, unreadable: list, log) -> None:
+    """Rewrite the journal with what is still to restore. A damaged file is kept as
+    journal.json.damaged first; on a full disk the old journal (a superset) stays."""
+    try:
+        if loaded.torn:
+            raw = statefile.read_bytes(journal.path, "journal")
+            if raw is not None:
+                statefile.write_bytes(journal.path.with_name(JOURNAL_NAME + ".damaged"), raw)
+        journal.data = dict(loaded.data, status=IN_PROGRESS, entries=entries, unreadable=unreadable)
+        journal.save()
+    except HwtuneError as exc:
+        log(f"journal {journal.path} left as it was ({exc})")
+
+
+def recover(host, state_dir, log: Callable[[str], None] = _stderr, wait_s: float = 0):
+    """The daemon at start: with the lock held (waiting up to wait_s for a live apply to end),
+    restore a journal an interrupted apply left. None when there is none."""
+    return rollback(host, state_dir, log, wait_s=wait_s, only_pending=True)

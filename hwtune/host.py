@@ -51,6 +51,7 @@ def open_host(sim_path=None, sysfs_root="/", read_only: bool = False, bios=None)
 
         host = Host("sim", read_only)
         f = SimFile(Path(sim_path), host.guard_write)
+        f.read()  # a malformed file is bad input (exit 2) before any command touches it
         host.sim_path = Path(sim_path)
         host.gpus, host.pcie, host.cpu = SimGpus(f), SimPcie(f), SimCpu(f)
         host.bios = bios if bios is not None else SimBios(f)

@@ -362,13 +362,13 @@ class HostApplier:
         lo, hi = int(lock[0]), int(lock[1])
         return Point(w, hi, None if lo == self.sm_clock_min_mhz else lo)
 
-    def __call__(self, point: Point) -> None:
+    def __call__(self, point: Point, on_signal: str = "undo") -> None:
         """Apply `point` to every selected GPU or raise: a knob the engine skipped
         (NoPermission, NotSupported) leaves that GPU where it was, and measuring it would
         score settings other than the point's."""
         from hwtune import engine
 
-        result = engine.apply(self.host, self.profile(point), self.state_dir, self.log)
+        result = engine.apply(self.host, self.profile(point), self.state_dir, self.log, on_signal=on_signal)
         self.applied += 1
         if result.skipped:
             raise HwtuneError(f"{point.label()}: not applied as asked ({'; '.join(result.skipped)})")

@@ -1,31 +1,46 @@
-"""Single-writer lock: a non-blocking flock on STATE_DIR/lock that names its holder.
+"""Single-writer lock: an flock on STATE_DIR/lock that names its holder.
 
 The kernel drops the flock when the holder dies (even by SIGKILL), so a stale pid in the
-file never blocks anyone.
+file never blocks anyone. The lock file is opened without following links and must be ours
+(hwtune.statefile.open_lock_file); the state directory is made 0700 first. `wait_s` > 0
+waits that long for a busy lock (the daemon at start waits for a live apply to end).
 """
 from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 
+from hwtune import statefile
 from hwtune.errors import LockBusyError
 
 
 class WriterLock:
-    def __init__(self, state_dir):
+    def __init__(self, state_dir, wait_s: float = 0):
         self.path = Path(state_dir) / "lock"
+        self.wait_s = wait_s
         self._fd = None
 
     def __enter__(self) -> "WriterLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise LockBusyError(f"{self.path} is held by pid {holder} (another hwtune is writing)") from None
+        statefile.ensure_dir(self.path.parent)
+        fd = statefile.open_lock_file(self.path)
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                waited = f" (waited {self.wait_s:g} s)" if self.wait_s else ""
+                raise LockBusyError(f"{self.path} is held by pid {holder} (another hwtune is writing){waited}") from None
+            except BaseException:
+                os.close(fd)
+                raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd

@@ -19,6 +19,7 @@ from types import MappingProxyType
 
 import yaml
 
+from hwtune import yamlguard
 from hwtune.errors import ProfileError
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "profiles"
@@ -27,7 +28,8 @@ SECTION_KEYS = {
     "gpu": ("select", "persistence_mode", "power_limit_w", "sm_clock_mhz", "memory_clock_mhz"),
     "pcie": ("select", "relaxed_ordering", "max_read_request_bytes"),
     "cpu": ("governor", "max_cstate_latency_us"),
-    "bios": ("source", "endpoint", "credentials_file", "expect", "system_id", "command", "verify_tls"),
+    "bios": ("source", "endpoint", "credentials_file", "expect", "system_id", "command", "verify_tls",
+             "allow_insecure_http"),
 }
 TOP_KEYS = ("include", "description") + tuple(SECTION_KEYS)
 BIOS_SOURCES = ("redfish", "racadm", "ilorest")
@@ -67,6 +69,7 @@ class BiosSection:
     system_id: str | None = None
     command: str | None = None
     verify_tls: bool | None = None
+    allow_insecure_http: bool | None = None  # plain http with credentials only when this says so
     base_dir: str = "."  # where relative paths (credentials_file) are resolved from
 
 
@@ -171,7 +174,10 @@ def _parse(path: Path, marks: dict) -> dict:
     except OSError as exc:
         raise ProfileError(f"cannot read: {exc.strerror}", file) from None
     try:
+        yamlguard.check(text)  # deep nesting, aliases: refused before the recursive composer
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yamlguard.Refused as exc:
+        raise ProfileError(exc.problem, file, exc.line, exc.key) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc)
@@ -187,8 +193,26 @@ def _parse(path: Path, marks: dict) -> dict:
     return data
 
 
+MAX_NAME_BYTES = 255
+
+
+def name_problem(name) -> str | None:
+    """Why `name` cannot name a profile file (checked before any lookup)."""
+    if not isinstance(name, str) or not name.strip():
+        return "expected a profile name or path"
+    if any(ord(c) < 32 for c in name):
+        return "control characters in the name"
+    parts = name.split("/")
+    longest = max(len(p.encode()) for p in parts)
+    if longest > MAX_NAME_BYTES or len(name.encode()) > 4096:
+        return f"a name (or path component) of {longest} bytes; at most {MAX_NAME_BYTES}"
+    return None
+
+
 def _find(name: str, base_dir: Path | None, profile_dir) -> Path | None:
     """A path, or a bare name looked up beside the including file, in PROFILE_DIR, shipped."""
+    if name_problem(name):
+        return None
     p = Path(name)
     if p.suffix in (".yaml", ".yml") or "/" in name:
         p = p if p.is_absolute() or base_dir is None else base_dir / p
@@ -291,7 +315,7 @@ def _is_num(v) -> bool:
 
 def _check(section: str, key: str, v, fail):
     dotted = f"{section}.{key}"
-    if key in ("persistence_mode", "relaxed_ordering", "verify_tls"):
+    if key in ("persistence_mode", "relaxed_ordering", "verify_tls", "allow_insecure_http"):
         if not isinstance(v, bool):
             raise fail(dotted, f"must be true or false, got {v!r}")
         return v
@@ -360,6 +384,10 @@ def _check(section: str, key: str, v, fail):
 
 def load(name_or_path: str, profile_dir=None) -> Profile:
     """Load, merge includes and validate a profile by name or path."""
+    why = name_problem(str(name_or_path))
+    if why:
+        shown = str(name_or_path) if len(str(name_or_path)) <= 60 else str(name_or_path)[:57] + "..."
+        raise ProfileError(why, shown, None, "profile")
     path = _find(str(name_or_path), None, profile_dir)
     if path is None:
         raise ProfileError(f"profile {name_or_path!r} not found (looked in {profile_dir or '-'} and the shipped profiles: "

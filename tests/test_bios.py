@@ -21,7 +21,7 @@ def mockup_attributes() -> dict:
 # -- Redfish against a real sushy-static server ---------------------------------------------
 
 def test_redfish_reads_the_mockup_bios_attributes(redfish_server):
-    bios = RedfishBios(redfish_server.url, "admin", "secret")
+    bios = RedfishBios(redfish_server.url, "admin", "secret", allow_insecure_http=True)  # the test server is http
     attrs = bios.attributes()
     assert attrs == mockup_attributes()
     assert attrs["PowerProfile"] == "MaxPerf" and attrs["ProcCoreDisable"] == 0
@@ -69,7 +69,8 @@ def test_bios_from_config_reads_credentials_file_relative_to_the_profile(redfish
     creds.write_text("username: admin\npassword: secret\nverify_tls: false\n")
     creds.chmod(0o600)
     bios = bios_from_config({"source": "redfish", "endpoint": redfish_server.url,
-                             "credentials_file": "bmc.yaml", "expect": {"BootMode": "Uefi"}}, tmp_path)
+                             "credentials_file": "bmc.yaml", "expect": {"BootMode": "Uefi"},
+                             "allow_insecure_http": True}, tmp_path)
     assert isinstance(bios, RedfishBios)
     assert (bios.username, bios.password, bios.verify_tls) == ("admin", "secret", False)
     assert check({"BootMode": "Uefi"}, bios.attributes()) == []
@@ -218,7 +219,7 @@ def test_a_loaded_profile_bios_section_builds_a_working_reader(redfish_server, t
     (tmp_path / "bmc.yaml").chmod(0o600)
     path = tmp_path / "mine.yaml"
     path.write_text(f"bios:\n  source: redfish\n  endpoint: {redfish_server.url}\n"
-                    f"  credentials_file: bmc.yaml\n  verify_tls: false\n"
+                    f"  credentials_file: bmc.yaml\n  verify_tls: false\n  allow_insecure_http: true\n"
                     f"  expect: {{PowerProfile: MaxPerf, ProcTurboMode: Disabled}}\n")
     profile = profiles.load(str(path))
     bios = bios_from_config(profile.bios, profile.bios.base_dir)

@@ -38,7 +38,7 @@ rollback: never
 reapply_min_interval_s: 10
 metrics: {enabled: false, address: 0.0.0.0, port: 0}
 dispatch_table: /var/lib/hwtune/dispatch.json
-agent_user: hwtune-agent
+agent_user: nobody
 thermal: {max_temperature_c: 80}
 restore_on: [xid]
 """)
@@ -46,7 +46,7 @@ restore_on: [xid]
     assert c.profile == "efficiency" and c.poll_interval_s == 1.5 and c.rollback == "never"
     assert c.metrics.enabled is False and c.metrics.port == 0
     assert c.dispatch_table == Path("/var/lib/hwtune/dispatch.json")
-    assert c.agent_user == "hwtune-agent" and c.thermal.max_temperature_c == 80
+    assert c.agent_user == "nobody" and c.thermal.max_temperature_c == 80
     assert c.restore_on == ("xid",)
     assert c.source == str(path)
     assert c.to_json()["dispatch_table"] == "/var/lib/hwtune/dispatch.json"

@@ -211,13 +211,15 @@ def test_thermal_event_during_the_daemons_own_apply_restores_known_good_settings
 def test_thermal_reason_bits_while_another_process_tunes_make_it_restore(host, daemons):
     d = daemons(host, host.config(rollback="never"))
     info = d.ready()
-    # A stand-in tuning process: announces itself like `hwtune tune` and restores on SIGTERM.
+    # A stand-in tuning process: announces itself like `hwtune tune` (daemon.marker: pid, start
+    # time, command line, expiry) and restores on SIGTERM.
     tuner = subprocess.Popen([sys.executable, "-c", (
-        "import json, os, signal, sys, time\n"
-        f"open({str(host.state / 'tuning.json')!r}, 'w').write(json.dumps({{'pid': os.getpid()}}))\n"
+        "import signal, sys, time\n"
+        "from daemon.marker import Marker\n"
+        f"Marker({str(host.state)!r}).write()\n"
         "signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))\n"
         "print('ready', flush=True)\n"
-        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
     try:
         assert tuner.stdout.readline().strip() == "ready"
         d.wait_message(lambda m: "is tuning" in m.get("STATUS", ""), "STATUS: another process is tuning")

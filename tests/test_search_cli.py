@@ -57,11 +57,17 @@ def test_agent_user_defaults_to_the_configs_unprivileged_user(tmp_path):
 
     from daemon.commands.search import agent_user
 
+    import pwd
+
+    # A user that exists here and is not the default (a config naming no such user is refused).
+    user = next((p.pw_name for p in pwd.getpwall() if p.pw_uid > 0 and p.pw_name != "nobody"), None)
+    if user is None:
+        pytest.skip("no unprivileged user other than nobody on this host")
     config = tmp_path / "hwtune.yaml"
-    config.write_text("agent_user: hwtune-agent\n")
+    config.write_text(f"agent_user: {user}\n")
     config.chmod(0o644)
     ctx = SimpleNamespace(config_path=config)
-    assert agent_user(SimpleNamespace(agent_user=None), ctx) == "hwtune-agent"
+    assert agent_user(SimpleNamespace(agent_user=None), ctx) == user
     assert agent_user(SimpleNamespace(agent_user="alice"), ctx) == "alice"
     config.write_text("profile: throughput\n")
     assert agent_user(SimpleNamespace(agent_user=None), ctx) == "nobody"

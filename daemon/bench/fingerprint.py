@@ -147,14 +147,13 @@ def locked_clocks(ctx) -> object:
     """NVML has no getter for locked clocks: hwtune's own record, if it wrote one."""
     if ctx is None:
         return None
-    path = Path(ctx.state_dir) / "locks.json"
-    if not path.exists():
-        return "unknown"
-    try:
-        import json
-        return json.loads(path.read_text())
+    from hwtune import statefile
+
+    try:  # a trusted state file only: never a link to something else
+        data = statefile.read_json(Path(ctx.state_dir) / "locks.json", "clock record")
     except Exception as exc:
         return f"unreadable: {type(exc).__name__}"
+    return "unknown" if data is None else data
 
 
 def table_fingerprint(path) -> dict:

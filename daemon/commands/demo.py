@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -50,8 +51,7 @@ class _Runner:
         shown = "hwtune " + " ".join(shlex.quote(a) for a in [*self.global_args, *args])
         print(f"\n$ {shown}", file=sys.stderr, flush=True)
         started = time.monotonic()
-        proc = subprocess.run(argv, env=self.env, capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[2])
+        proc = _run_child(argv, self.env, Path(__file__).resolve().parents[2])
         elapsed = time.monotonic() - started
         (self.log_dir / f"{len(self.steps):02d}-{name}.log").write_text(
             f"$ {shown}\nexit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
@@ -71,6 +71,47 @@ class _Runner:
         print(f"  -> exit {proc.returncode} in {elapsed:.1f} s", file=sys.stderr, flush=True)
         self.steps.append(step)
         return step
+
+
+def _run_child(argv: list, env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    """Run one step. On Ctrl-C the step is not killed mid-write: it gets SIGINT (it holds it
+    while it writes, then undoes or finishes), and the demo waits for it before going on."""
+    with subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            out, err = proc.communicate()
+        except KeyboardInterrupt:
+            try:
+                try:  # a terminal's Ctrl-C reached the step too: let it answer that one
+                    proc.communicate(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGINT)  # only the demo was signalled (kill -INT)
+                    proc.communicate(timeout=120)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                proc.kill()
+                proc.communicate()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _restore_after_interrupt(r: "_Runner") -> int:
+    """Ctrl-C: put the host back (the real `hwtune rollback`, printed) and exit 130."""
+    shown = "hwtune " + " ".join(shlex.quote(a) for a in [*r.global_args, "rollback"])
+    print(f"\nhwtune demo: interrupted; restoring the host: {shown}", file=sys.stderr, flush=True)
+    for _ in range(3):
+        try:
+            proc = _run_child([sys.executable, "-m", "daemon.cli", *r.global_args, "rollback"], r.env,
+                              Path(__file__).resolve().parents[2])
+            break
+        except KeyboardInterrupt:
+            continue  # the rollback holds its own signals; ask again until it has run
+    else:
+        proc = None
+    if proc is not None and proc.returncode == 0:
+        print("hwtune demo: host restored", file=sys.stderr, flush=True)
+    else:
+        print(f"hwtune demo: the host may still be tuned; restore it with: {shown}", file=sys.stderr, flush=True)
+    return 130
 
 
 def run_demo(args, ctx) -> int:
@@ -99,6 +140,15 @@ def run_demo(args, ctx) -> int:
 
     if simulated and not (ctx.sim_path or (out / "host.json").exists()):
         r.run("sim-init", ["sim", "init", str(out / "host.json"), "--gpus", str(args.gpus)])
+    try:
+        return _demo_steps(args, ctx, r, out, label, simulated, device)
+    except KeyboardInterrupt:
+        if ctx.read_only:
+            return 130
+        return _restore_after_interrupt(r)
+
+
+def _demo_steps(args, ctx, r, out, label, simulated, device) -> int:
     before = r.run("status-before", ["status", "--json"], parse_json=True)
     r.run("plan", ["plan", "-p", args.profile])
     if not ctx.read_only:

@@ -6,7 +6,10 @@ document on stdout instead.
 from __future__ import annotations
 
 import json
+import os
 import sys
+
+from hwtune.errors import HwtuneError
 
 DEFAULT_PROFILE = "throughput"
 
@@ -20,6 +23,21 @@ def _log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _after_writes(text: str) -> None:
+    """Print once the write sequence is over; a reader that went away (`| head`, a dropped
+    ssh session) changes nothing about the result or the exit code."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        try:  # so the interpreter's own flush at exit does not fail either
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+
+
 def _add_profile(p) -> None:
     p.add_argument("-p", "--profile", default=None,
                    help=f"profile name or YAML path (default: the config's profile, else {DEFAULT_PROFILE})")
@@ -30,17 +48,17 @@ def _add_json(p) -> None:
 
 
 def _profile_name(args, ctx) -> str:
+    """-p, else the config's profile, else the default. The config is held to the daemon's
+    rule when run as root (owned by root, not group/world-writable): it drives root's
+    writes. A config that cannot be used is an error (exit 2), never a silent fallback."""
     if args.profile:
         return args.profile
     if ctx.config_path:
-        try:
-            from daemon.config import load_config
+        from daemon.config import load_config
 
-            name = load_config(ctx.config_path, require_secure=False).profile
-            if name:
-                return name
-        except Exception as exc:  # the config's own command reports its errors
-            _log(f"note: config {ctx.config_path} unreadable ({exc}); using profile {DEFAULT_PROFILE}")
+        name = load_config(ctx.config_path, require_secure=os.geteuid() == 0).profile
+        if name:
+            return name
     return DEFAULT_PROFILE
 
 
@@ -162,7 +180,11 @@ def run_plan(args, ctx) -> int:
         bios = engine.bios_drift(host, profile)
     except Exception as exc:
         skipped.append(f"bios: {exc}")
-    pending = engine.pending_journal(ctx.state_dir)
+    try:
+        pending = engine.pending_journal(ctx.state_dir)
+    except HwtuneError as exc:  # a damaged or untrusted journal: plan still answers, and says so
+        skipped.append(f"journal: {exc}")
+        pending = True
     if args.json:
         _emit({"profile": profile.name, "source": profile.source, "changes": [c.to_json() for c in changes],
                "skipped": skipped, "bios_drift": [c.to_json() for c in bios],
@@ -195,11 +217,14 @@ def run_apply(args, ctx) -> int:
         for c in engine.bios_drift(host, profile):
             _log(f"bios drift (not written): {c}")
     except Exception as exc:
-        _log(f"bios: {exc}")
+        try:
+            _log(f"bios: {exc}")
+        except (OSError, ValueError):
+            pass
     if args.json:
-        _emit({"profile": profile.name, **result.to_json()})
+        _after_writes(json.dumps({"profile": profile.name, **result.to_json()}, indent=2) + "\n")
     else:
-        print(f"applied {profile.name}: {len(result.changed)} change(s), {len(result.skipped)} skipped")
+        _after_writes(f"applied {profile.name}: {len(result.changed)} change(s), {len(result.skipped)} skipped\n")
     return 0
 
 
@@ -236,7 +261,7 @@ def run_rollback(args, ctx) -> int:
     host = ctx.open_host()
     restored = engine.rollback(host, ctx.state_dir, _log)
     if args.json:
-        _emit({"restored": [c.to_json() for c in restored]})
+        _after_writes(json.dumps({"restored": [c.to_json() for c in restored]}, indent=2) + "\n")
     elif restored:
-        print(f"rolled back {len(restored)} value(s)")
+        _after_writes(f"rolled back {len(restored)} value(s)\n")
     return 0

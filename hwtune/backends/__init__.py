@@ -6,7 +6,6 @@ durable file helpers the simulated host and the journal both use.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -25,21 +24,21 @@ class DeviceError(HwtuneError):
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    from hwtune.statefile import fsync_dir as _fsync_dir
+
+    _fsync_dir(path)
 
 
 def write_json_atomic(path: Path, data) -> None:
-    """Write temp + fsync + rename + fsync(dir): a reader sees the old or the new file, never half."""
+    """Write temp + fsync + rename + fsync(dir): a reader sees the old or the new file, never
+    half. The temporary file comes from mkstemp (never a predictable name a link could sit
+    on); the file keeps its mode (0644 when new). Used for files outside STATE_DIR (the
+    simulated host); state files go through hwtune.statefile (0600)."""
+    from hwtune.statefile import write_json
+
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:
+        mode = 0o644
+    write_json(path, data, mode)

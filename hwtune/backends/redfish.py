@@ -14,11 +14,13 @@ from typing import Any, Mapping
 
 import yaml
 
+from hwtune import redact
 from hwtune.errors import HwtuneError, UsageError
 
 BIOS_SOURCES = ("redfish", "racadm", "ilorest")
 # Keys a profile's `bios:` section may carry (the profile loader can reuse this list).
-BIOS_SECTION_KEYS = ("source", "endpoint", "credentials_file", "system_id", "command", "expect", "verify_tls")
+BIOS_SECTION_KEYS = ("source", "endpoint", "credentials_file", "system_id", "command", "expect", "verify_tls",
+                     "allow_insecure_http")
 
 
 class BiosError(HwtuneError):
@@ -27,17 +29,34 @@ class BiosError(HwtuneError):
 
 class RedfishBios:
     """`Bios.Attributes` of one ComputerSystem. Connects on first `attributes()` call, so
-    building one (e.g. for `hwtune plan`) costs no network round trip."""
+    building one (e.g. for `hwtune plan`) costs no network round trip.
+
+    Credentials written into the URL (https://user:pass@bmc) are taken out of it: the
+    endpoint kept, and named in every message, carries none. Plain http with credentials
+    is refused unless allow_insecure_http (the profile's bios.allow_insecure_http: true)."""
 
     source = "redfish"
 
     def __init__(self, endpoint: str, username: str | None = None, password: str | None = None,
                  system_id: str | None = None, verify_tls: bool | str = True,
-                 timeout_s: float = 30):
-        if not endpoint or "://" not in endpoint:
-            raise UsageError(f"bios.endpoint={endpoint!r}: expected a URL such as https://bmc.example")
-        self.endpoint = endpoint.rstrip("/")
+                 timeout_s: float = 30, allow_insecure_http: bool = False):
+        if not isinstance(endpoint, str) or "://" not in endpoint:
+            raise UsageError(f"bios.endpoint={redact.text(str(endpoint))[:80]!r}: expected a URL such as "
+                             "https://bmc.example")
+        try:
+            bare, url_user, url_password = redact.split_url(endpoint.strip())
+        except ValueError:
+            raise UsageError(f"bios.endpoint={redact.text(endpoint)[:80]!r}: not a valid URL") from None
+        self.endpoint = bare.rstrip("/")
+        username = username if username is not None else url_user
+        password = password if password is not None else url_password
         self.username, self.password = username, password
+        scheme = self.endpoint.split("://", 1)[0].lower()
+        if scheme not in ("http", "https"):
+            raise UsageError(f"bios.endpoint={self.endpoint!r}: expected an https:// URL")
+        if scheme == "http" and (username or password) and not allow_insecure_http:
+            raise UsageError(f"bios.endpoint={self.endpoint!r}: plain http would send the BMC credentials "
+                             "in clear text; use https://, or set bios.allow_insecure_http: true")
         self.system_id = system_id
         self.verify_tls = verify_tls
         self.timeout_s = timeout_s
@@ -97,22 +116,27 @@ class RedfishBios:
             attrs = bios.attributes
         except BiosError:
             raise
+        except ImportError:
+            raise BiosError("redfish: the sushy package is not installed (pip install sushy)") from None
         except sx.AccessError as exc:
             raise BiosError(f"redfish {self.endpoint}: access denied (check bios.credentials_file): "
-                            f"{_short(exc)}") from None
+                            f"{_short(exc, secrets=(self.password,))}") from None
         except sx.ConnectionError as exc:
-            raise BiosError(f"redfish {self.endpoint}: BMC unreachable: {_short(exc)}") from None
+            raise BiosError(f"redfish {self.endpoint}: BMC unreachable: {_short(exc, secrets=(self.password,))}") from None
         except sx.SushyError as exc:
-            raise BiosError(f"redfish {self.endpoint}: {type(exc).__name__}: {_short(exc)}") from None
-        except OSError as exc:
-            raise BiosError(f"redfish {self.endpoint}: {exc}") from None
+            raise BiosError(f"redfish {self.endpoint}: {type(exc).__name__}: {_short(exc, secrets=(self.password,))}") from None
+        except Exception as exc:  # an odd answer (a 401 with an HTML body, a broken JSON): one line
+            raise BiosError(f"redfish {self.endpoint}: unexpected answer ({type(exc).__name__}: "
+                            f"{_short(exc, 200, secrets=(self.password,))})") from None
+        if not isinstance(attrs, dict) and attrs is not None:
+            raise BiosError(f"redfish {self.endpoint}: the Bios Attributes are not an object")
         if attrs is None:
             raise BiosError(f"redfish {self.endpoint}: the Bios resource carries no Attributes")
         return dict(attrs)
 
 
-def _short(exc: Exception, limit: int = 300) -> str:
-    text = " ".join(str(exc).split())
+def _short(exc: Exception, limit: int = 300, secrets=()) -> str:
+    text = redact.text(" ".join(str(exc).split()), secrets)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -194,5 +218,9 @@ def bios_from_config(section: Any, base_dir: Path | str | None = None):
     if get("verify_tls") is not None:
         # The profile may pin it per BMC; it wins over the credentials file.
         creds["verify_tls"] = _verify_value(get("verify_tls"))
+    allow_http = get("allow_insecure_http")
+    if allow_http is not None and not isinstance(allow_http, bool):
+        raise UsageError("bios.allow_insecure_http: expected true or false")
     return RedfishBios(str(endpoint), creds["username"], creds["password"],
-                       system_id=get("system_id"), verify_tls=creds["verify_tls"])
+                       system_id=get("system_id"), verify_tls=creds["verify_tls"],
+                       allow_insecure_http=bool(allow_http))

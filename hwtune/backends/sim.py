@@ -4,15 +4,22 @@ Reads take no lock: every write replaces the file atomically (temp + fsync + ren
 reader sees either the old or the new state. Writers serialise on a sidecar flock
 (`FILE.lock`) around read-modify-write. Each write first sleeps `write_delay_ms` (so a test
 can kill a process mid-apply) and checks `faults`, e.g.
-`{"op": "set_power_limit", "gpu": 1, "error": "NoPermission"}`.
+`{"op": "set_power_limit", "gpu": 1, "error": "NoPermission"}`; the error "Ignored" makes the
+setter answer success and change nothing (a device that silently drops a write).
 
 Unlike real NVML the sim knows its locked clocks and reports them; the clock knob still
-restores them by reset, as it must on real hardware.
+restores them by reset, as it must on real hardware. `"locked_clocks_getter": false` makes it
+answer as NVML does ("unknown": no getter), so the knob must rely on its own record.
+
+The file is checked on every read (`check_host`): a malformed file is bad input (UsageError,
+exit 2) naming the key, never a KeyError half way through an apply.
 """
 from __future__ import annotations
 
 import fcntl
 import json
+import math
+import re
 import time
 import uuid
 from contextlib import contextmanager
@@ -102,6 +109,116 @@ def set_dotted(data, dotted: str, value) -> None:
             raise UsageError(f"{dotted}: {'.'.join(parts[:n])} is a value, not a section")
 
 
+_BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+MAX_SIM_BYTES = 64 << 20
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _clock_pair(v) -> bool:
+    return v is None or (isinstance(v, list) and len(v) == 2 and all(_int(x) and x > 0 for x in v))
+
+
+_GPU_KEYS = {
+    "uuid": (lambda v: isinstance(v, str), "text"),
+    "name": (lambda v: isinstance(v, str), "text"),
+    "pci_bus_id": (lambda v: isinstance(v, str), "text"),
+    "persistence_mode": (lambda v: isinstance(v, bool), "true or false"),
+    "power_limit_w": (lambda v: _num(v) and v > 0, "a number of watts"),
+    "power_limit_constraints_w": (lambda v: isinstance(v, list) and len(v) == 2 and all(_num(x) for x in v)
+                                  and 0 < v[0] <= v[1], "[min, max] watts"),
+    "power_limit_default_w": (lambda v: _num(v) and v > 0, "a number of watts"),
+    "supported_sm_clocks_mhz": (lambda v: isinstance(v, list) and all(_int(x) and x > 0 for x in v),
+                                "a list of MHz"),
+    "supported_memory_clocks_mhz": (lambda v: isinstance(v, list) and all(_int(x) and x > 0 for x in v),
+                                    "a list of MHz"),
+    "locked_sm_clocks_mhz": (_clock_pair, "null or [min, max] MHz"),
+    "locked_memory_clocks_mhz": (_clock_pair, "null or [min, max] MHz"),
+}
+_TELEMETRY_KEYS = ("temperature_c", "power_w", "sm_clock_mhz", "memory_clock_mhz", "clock_event_reasons",
+                   "energy_mj", "xid_errors")
+
+
+def check_host(data, where: str) -> None:
+    """Raise UsageError naming the first key of a simulated host file that is missing or of
+    the wrong kind."""
+    def bad(key, what):
+        raise UsageError(f"simulated host {where}: {key}: {what}")
+
+    if not isinstance(data, dict):
+        bad("(top level)", f"expected an object, got {type(data).__name__}")
+    for key in ("gpus", "pcie", "cpu"):
+        if key not in data:
+            bad(key, "missing (recreate the file: hwtune sim init FILE --force)")
+    if not isinstance(data["gpus"], list):
+        bad("gpus", "expected a list")
+    for i, g in enumerate(data["gpus"]):
+        if not isinstance(g, dict):
+            bad(f"gpus.{i}", "expected an object")
+        for key, (ok, what) in _GPU_KEYS.items():
+            if key not in g:
+                bad(f"gpus.{i}.{key}", "missing")
+            if not ok(g[key]):
+                bad(f"gpus.{i}.{key}", f"expected {what}")
+        t = g.get("telemetry")
+        if t is not None:
+            if not isinstance(t, dict):
+                bad(f"gpus.{i}.telemetry", "expected an object")
+            for key in _TELEMETRY_KEYS:
+                if t.get(key) is not None and not _num(t[key]):
+                    bad(f"gpus.{i}.telemetry.{key}", "expected a number or null")
+    if not isinstance(data["pcie"], list):
+        bad("pcie", "expected a list")
+    for n, f in enumerate(data["pcie"]):
+        if not isinstance(f, dict):
+            bad(f"pcie.{n}", "expected an object")
+        for key in ("bdf", "vendor", "device", "class"):
+            if not isinstance(f.get(key), str):
+                bad(f"pcie.{n}.{key}", "missing or not text")
+        if not _BDF.fullmatch(f["bdf"]):
+            bad(f"pcie.{n}.bdf", "expected a PCI address like 0000:18:00.0")
+        if not _int(f.get("devctl")) or not 0 <= f["devctl"] <= 0xFFFF:
+            bad(f"pcie.{n}.devctl", "expected a 16-bit register value")
+        if f.get("link") is not None and not isinstance(f["link"], str):
+            bad(f"pcie.{n}.link", "expected text or null")
+    cpu = data["cpu"]
+    if not isinstance(cpu, dict):
+        bad("cpu", "expected an object")
+    govs = cpu.get("available_governors")
+    if govs is not None and (not isinstance(govs, list) or not all(isinstance(x, str) for x in govs)):
+        bad("cpu.available_governors", "expected a list of names")
+    if not isinstance(cpu.get("cpus"), list):
+        bad("cpu.cpus", "missing or not a list")
+    for n, c in enumerate(cpu["cpus"]):
+        if not isinstance(c, dict):
+            bad(f"cpu.cpus.{n}", "expected an object")
+        if c.get("governor") is not None and not isinstance(c["governor"], str):
+            bad(f"cpu.cpus.{n}.governor", "expected a name or null")
+        states = c.get("cstates") or []
+        if not isinstance(states, list):
+            bad(f"cpu.cpus.{n}.cstates", "expected a list")
+        for k, st in enumerate(states):
+            if not isinstance(st, dict) or not isinstance(st.get("name"), str) or not _int(st.get("latency_us")) \
+                    or not isinstance(st.get("disable"), bool):
+                bad(f"cpu.cpus.{n}.cstates.{k}", "expected {name, latency_us (integer), disable (true/false)}")
+    if data.get("bios") is not None and not isinstance(data["bios"], dict):
+        bad("bios", "expected an object or null")
+    faults = data.get("faults")
+    if faults is not None and (not isinstance(faults, list) or not all(isinstance(x, dict) for x in faults)):
+        bad("faults", "expected a list of objects")
+    delay = data.get("write_delay_ms")
+    if delay is not None and (not _num(delay) or delay < 0):
+        bad("write_delay_ms", "expected a number >= 0")
+    if "locked_clocks_getter" in data and not isinstance(data["locked_clocks_getter"], bool):
+        bad("locked_clocks_getter", "expected true or false")
+
+
 class SimFile:
     """The JSON file and its write discipline."""
 
@@ -111,11 +228,29 @@ class SimFile:
         if not self.path.exists():
             raise UsageError(f"simulated host {self.path}: no such file (create it: hwtune sim init {self.path})")
 
-    def read(self) -> dict:
+    def read_raw(self):
         try:
-            return json.loads(self.path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise HwtuneError(f"simulated host {self.path}: unreadable: {exc}") from exc
+            with open(self.path, "rb") as fh:
+                raw = fh.read(MAX_SIM_BYTES + 1)
+        except OSError as exc:
+            raise UsageError(f"simulated host {self.path}: cannot read: {exc.strerror or exc}") from None
+        if len(raw) > MAX_SIM_BYTES:
+            raise UsageError(f"simulated host {self.path}: larger than {MAX_SIM_BYTES >> 20} MiB")
+        try:
+            return json.loads(raw.decode("utf-8"),
+                              parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} is not a number")))
+        except UnicodeDecodeError:
+            raise UsageError(f"simulated host {self.path}: not UTF-8 text") from None
+        except RecursionError:
+            raise UsageError(f"simulated host {self.path}: nested too deeply") from None
+        except ValueError as exc:
+            raise UsageError(f"simulated host {self.path}: not valid JSON ({str(exc)[:120]})") from None
+
+    def read(self) -> dict:
+        """The host, checked (check_host): a malformed file is a UsageError naming the key."""
+        data = self.read_raw()
+        check_host(data, str(self.path))
+        return data
 
     @contextmanager
     def _locked(self):
@@ -129,7 +264,7 @@ class SimFile:
     def update(self, change: Callable[[dict], None]) -> None:
         """Read-modify-write under the sidecar lock, committed by an atomic rename."""
         with self._locked():
-            data = self.read()
+            data = self.read_raw()
             change(data)
             write_json_atomic(self.path, data)
 
@@ -143,6 +278,8 @@ class SimFile:
             if any(k in fault and fault[k] != v for k, v in match.items()):
                 continue
             reason = str(fault.get("error", "Unknown"))
+            if reason == "Ignored":
+                return  # a device that answers success and keeps its value
             if reason in UNAVAILABLE_REASONS:
                 raise KnobUnavailable(target, op, reason)
             raise DeviceError(target, op, reason)
@@ -203,13 +340,25 @@ class SimGpus:
     def get_supported_memory_clocks_mhz(self, i: int) -> list:
         return sorted(self._gpu(i)["supported_memory_clocks_mhz"])
 
+    def _locked_clocks(self, i: int, field: str):
+        data = self.file.read()
+        if not 0 <= i < len(data["gpus"]):
+            raise HwtuneError(f"gpu{i}: no such GPU (simulated host has {len(data['gpus'])})")
+        if data.get("locked_clocks_getter") is False:
+            return "unknown"  # as NVML: there is no getter for locked clocks
+        v = data["gpus"][i][field]
+        return tuple(v) if v else None
+
     def get_locked_sm_clocks_mhz(self, i: int):
+        return self._locked_clocks(i, "locked_sm_clocks_mhz")
+
+    def simulated_sm_lock_mhz(self, i: int):
+        """What the simulated card runs with, whatever the getter answers (for the model)."""
         v = self._gpu(i)["locked_sm_clocks_mhz"]
         return tuple(v) if v else None
 
     def get_locked_memory_clocks_mhz(self, i: int):
-        v = self._gpu(i)["locked_memory_clocks_mhz"]
-        return tuple(v) if v else None
+        return self._locked_clocks(i, "locked_memory_clocks_mhz")
 
     def set_locked_sm_clocks_mhz(self, i: int, lo: int, hi: int) -> None:
         self._write("set_locked_sm_clocks", i, "locked_sm_clocks_mhz", [int(lo), int(hi)])

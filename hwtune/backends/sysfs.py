@@ -17,11 +17,16 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Callable
 
 from hwtune.errors import HwtuneError, KnobUnavailable
 
+# What may name a directory under the sysfs root: nothing else is ever joined into a path.
+BDF_NAME = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+CPU_NAME = re.compile(r"cpu[0-9]{1,5}")
+STATE_NAME = re.compile(r"state[0-9]{1,3}")
 PCI_EXP_CAP_ID = 0x10
 DEVCTL_OFFSET = 8
 LNKSTA_OFFSET = 0x12
@@ -31,13 +36,23 @@ class ConfigSpaceError(HwtuneError):
     pass
 
 
+class ConfigSpaceUnavailable(ConfigSpaceError, KnobUnavailable):
+    """Config space this process may not see (non-root: 64 bytes) or a function without the
+    PCIe capability: the knob is unavailable here (skipped), not a broken device."""
+
+    def __init__(self, where: str, reason: str, detail: str):
+        self.target = where.replace("pcie ", "pcie:", 1)
+        self.knob, self.reason = "devctl", reason
+        HwtuneError.__init__(self, f"{where}: {detail}")
+
+
 def find_pcie_capability(config: bytes, where: str = "") -> int:
     """Offset of the PCI Express capability in a config-space image."""
     if len(config) < 0x40:
         raise ConfigSpaceError(f"{where}: config space is {len(config)} bytes, need at least 64")
     status = int.from_bytes(config[6:8], "little")
     if not status & 0x10:
-        raise ConfigSpaceError(f"{where}: no capability list (status register bit 4 clear)")
+        raise ConfigSpaceUnavailable(where, "NotSupported", "no capability list (status register bit 4 clear)")
     ptr = config[0x34] & 0xFC
     seen = set()
     while ptr:
@@ -46,14 +61,14 @@ def find_pcie_capability(config: bytes, where: str = "") -> int:
         seen.add(ptr)
         if ptr + 1 >= len(config):
             if len(config) <= 64:
-                raise ConfigSpaceError(
-                    f"{where}: config space shows only {len(config)} bytes (the kernel hides the "
+                raise ConfigSpaceUnavailable(
+                    where, "NoPermission", f"config space shows only {len(config)} bytes (the kernel hides the "
                     "rest from non-root readers; run as root)")
             raise ConfigSpaceError(f"{where}: capability pointer 0x{ptr:02x} beyond config space")
         if config[ptr] == PCI_EXP_CAP_ID:
             return ptr
         ptr = config[ptr + 1] & 0xFC
-    raise ConfigSpaceError(f"{where}: no PCI Express capability (not a PCIe function)")
+    raise ConfigSpaceUnavailable(where, "NotSupported", "no PCI Express capability (not a PCIe function)")
 
 
 class SysfsPcie:
@@ -62,27 +77,35 @@ class SysfsPcie:
         self.guard_write = guard_write
 
     def _read_attr(self, bdf: str, name: str) -> str:
-        return (self.base / bdf / name).read_text().strip().lower()
+        return read_attr(self.base / bdf / name).strip().lower()
 
     def functions(self) -> list:
         if not self.base.is_dir():
             return []
         out = []
         for d in sorted(self.base.iterdir()):
+            if not BDF_NAME.fullmatch(d.name):
+                continue
             try:
                 out.append({"bdf": d.name, "vendor": self._read_attr(d.name, "vendor"),
                             "device": self._read_attr(d.name, "device"),
                             "class": self._read_attr(d.name, "class")})
-            except OSError:
-                continue
+            except HwtuneError:
+                continue  # not a function hwtune can identify: not one it tunes
         return out
 
     def _config(self, bdf: str) -> bytes:
         path = self.base / bdf / "config"
         try:
-            return path.read_bytes()
+            fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ConfigSpaceError(f"pcie {bdf}: cannot read {path}: not a regular file")
+                return os.pread(fd, 4096, 0)
+            finally:
+                os.close(fd)
         except OSError as exc:
-            raise ConfigSpaceError(f"pcie {bdf}: cannot read {path}: {exc.strerror}") from exc
+            raise ConfigSpaceError(f"pcie {bdf}: cannot read {path}: {exc.strerror}") from None
 
     def _cap(self, bdf: str) -> int:
         return find_pcie_capability(self._config(bdf), f"pcie {bdf}")
@@ -105,6 +128,8 @@ class SysfsPcie:
 
     def update_devctl(self, bdf: str, mask: int, bits: int) -> None:
         target = f"pcie:{bdf}"
+        if not isinstance(bdf, str) or not BDF_NAME.fullmatch(bdf):
+            raise HwtuneError(f"pcie {str(bdf)[:80]!r}: not a PCI address; refusing to write")
         self.guard_write(f"{target} set_devctl")
         offset = self._cap(bdf) + DEVCTL_OFFSET
         path = self.base / bdf / "config"
@@ -123,6 +148,27 @@ class SysfsPcie:
             raise HwtuneError(f"{target}: DevCtl write at 0x{offset:x} failed: {exc.strerror}") from exc
         finally:
             os.close(fd)
+
+
+def read_attr(path: Path, limit: int = 1 << 16) -> str:
+    """A sysfs attribute's text. Never blocks (a FIFO planted in a fixture tree), never a raw
+    OSError: an unreadable file is one HwtuneError naming it."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HwtuneError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise HwtuneError(f"cannot read {path}: not a regular file")
+        data = os.read(fd, limit)
+    except OSError as exc:
+        raise HwtuneError(f"cannot read {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise HwtuneError(f"cannot read {path}: not text") from None
 
 
 def _natural(name: str):
@@ -145,7 +191,7 @@ class SysfsCpu:
         for d in self._cpu_dirs():
             f = d / "cpufreq/scaling_governor"
             if f.exists():
-                out[d.name] = f.read_text().strip()
+                out[d.name] = read_attr(f).strip()
         return out
 
     def available_governors(self):
@@ -153,7 +199,7 @@ class SysfsCpu:
         for d in self._cpu_dirs():
             f = d / "cpufreq/scaling_available_governors"
             if f.exists():
-                sets.append(f.read_text().split())
+                sets.append(read_attr(f).split())
         if not sets:
             return None
         common = set(sets[0]).intersection(*sets[1:])
@@ -179,6 +225,9 @@ class SysfsCpu:
                 raise HwtuneError(f"{target} {op}: writing {path} failed: {exc.strerror}") from exc
 
     def set_governors(self, mapping: dict) -> None:
+        for cpu in mapping:
+            if not isinstance(cpu, str) or not CPU_NAME.fullmatch(cpu):
+                raise HwtuneError(f"cpu governor: {str(cpu)[:80]!r} is not a CPU name; refusing to write")
         self.guard_write("cpu set_governor")
         self._write_all([(self.base / cpu / "cpufreq/scaling_governor", gov) for cpu, gov in mapping.items()],
                         "cpu", "governor")
@@ -189,20 +238,21 @@ class SysfsCpu:
             idle = d / "cpuidle"
             if not idle.is_dir():
                 continue
-            for s in sorted((s for s in idle.iterdir() if s.name.startswith("state")), key=lambda s: _natural(s.name)):
-                try:
-                    name = (s / "name").read_text().strip() if (s / "name").exists() else s.name
-                    out.append({"cpu": d.name, "state": s.name, "name": name,
-                                "latency_us": int((s / "latency").read_text()),
-                                "disabled": (s / "disable").read_text().strip() == "1"})
-                except (OSError, ValueError):
-                    continue
+            for s in sorted((s for s in idle.iterdir() if STATE_NAME.fullmatch(s.name)), key=lambda s: _natural(s.name)):
+                name = read_attr(s / "name").strip() if (s / "name").exists() else s.name
+                latency = read_attr(s / "latency").strip()
+                if not latency.isdigit():
+                    raise HwtuneError(f"cannot read {s / 'latency'}: {latency[:20]!r} is not a latency")
+                out.append({"cpu": d.name, "state": s.name, "name": name, "latency_us": int(latency),
+                            "disabled": read_attr(s / "disable").strip() == "1"})
         return out
 
     def set_cstates_disabled(self, mapping: dict) -> None:
         self.guard_write("cpu set_cstate_disable")
         files = []
         for key, disabled in mapping.items():
-            cpu, state = key.split("/")
+            cpu, _, state = str(key).partition("/")
+            if not CPU_NAME.fullmatch(cpu) or not STATE_NAME.fullmatch(state):
+                raise HwtuneError(f"cpu idle state {str(key)[:80]!r}: not cpuN/stateK; refusing to write")
             files.append((self.base / cpu / "cpuidle" / state / "disable", "1" if disabled else "0"))
         self._write_all(files, "cpu", "max_cstate_latency_us")

@@ -11,6 +11,8 @@ import shutil
 import subprocess
 from typing import Sequence
 
+from hwtune import redact
+from hwtune.errors import UsageError
 from hwtune.backends.redfish import BiosError
 
 TOOL_TIMEOUT_S = 120
@@ -19,22 +21,38 @@ TOOL_TIMEOUT_S = 120
 def _argv(command: str | Sequence[str] | None, default: str) -> list[str]:
     if command is None:
         return [default]
-    return shlex.split(command) if isinstance(command, str) else list(command)
+    try:
+        argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+    except ValueError as exc:
+        raise UsageError(f"bios.command: cannot split it into arguments ({exc})") from None
+    if not argv:
+        raise UsageError("bios.command: empty")
+    return argv
+
+
+def _secrets(argv: list[str]) -> list[str]:
+    """The password values on a command line (to mask them in the tool's own output too)."""
+    masked = redact.argv(argv)
+    found = [a for a, m in zip(argv, masked) if m == redact.MASK]
+    found += [a.partition("=")[2] for a, m in zip(argv, masked) if m.endswith("=" + redact.MASK)]
+    return found
 
 
 def _run(argv: list[str], what: str) -> str:
+    shown = shlex.join(redact.argv(argv))  # never the password after -p
+    secrets = _secrets(argv)
     if shutil.which(argv[0]) is None:
-        raise BiosError(f"{what}: {argv[0]!r} not found on PATH (install the vendor tool, "
+        raise BiosError(f"{what}: {redact.text(argv[0])!r} not found on PATH (install the vendor tool, "
                         f"or set bios.command to its full path)")
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise BiosError(f"{what}: `{shlex.join(argv)}` did not finish within {TOOL_TIMEOUT_S} s") from None
-    except OSError as exc:
-        raise BiosError(f"{what}: `{shlex.join(argv)}`: {exc}") from None
+        raise BiosError(f"{what}: `{shown}` did not finish within {TOOL_TIMEOUT_S} s") from None
+    except (OSError, ValueError) as exc:
+        raise BiosError(f"{what}: `{shown}`: {redact.text(str(exc), secrets)}") from None
     if proc.returncode != 0:
-        tail = " ".join((proc.stderr or proc.stdout).split())[-300:]
-        raise BiosError(f"{what}: `{shlex.join(argv)}` exited {proc.returncode}: {tail}")
+        tail = redact.text(" ".join((proc.stderr or proc.stdout).split()), secrets)[-300:]
+        raise BiosError(f"{what}: `{shown}` exited {proc.returncode}: {tail}")
     return proc.stdout
 
 

@@ -7,9 +7,17 @@ function, the CPUs). Interface (docs/ARCHITECTURE.md):
 reports; raises BadValue naming the profile key), `original(host, target, field)` (what the
 journal keeps: for locked clocks always "reset"), `write(host, target, field, value)`,
 `restore(host, target, field, original)`, `same(host, target, field, current, wanted)`,
-`show(host, target, field, value)` (a value, journaled originals included, in the profile's terms).
+`show(host, target, field, value)` (a value, journaled originals included, in the profile's terms),
+`journal_problem(host, target, field, original)` (why a journal entry is not one this knob
+wrote on this host: the target outside the knob's own device namespace, an unknown field,
+a value of the wrong kind; None when it may be restored) and `must_reissue(field, original)`
+(an original restored even when the read says it is in place: a "reset" of locked clocks,
+which NVML cannot read back).
 """
 from __future__ import annotations
+
+import math
+import re
 
 from hwtune.errors import HwtuneError
 
@@ -53,6 +61,38 @@ class Knob:
     def show(self, host, target: str, field: str, value):
         """`value` as people read it (the journal may keep a more exact form)."""
         return value
+
+    def must_reissue(self, field: str, original) -> bool:
+        return False
+
+    def restored(self, host, target: str, field: str, after, original) -> bool:
+        """Whether the value read back after a restore shows the original in place."""
+        return self.same(host, target, field, after, original)
+
+    def known_target(self, host, target: str) -> bool:
+        raise NotImplementedError
+
+    def original_problem(self, host, target: str, field: str, original) -> str | None:
+        raise NotImplementedError
+
+    def journal_problem(self, host, target, field, original) -> str | None:
+        if not isinstance(target, str) or not self.known_target(host, target):
+            return f"target {str(target)[:80]!r} is not a {self.family} device of this host"
+        if field not in self.fields:
+            return f"field {str(field)[:80]!r} is not a {self.family} field"
+        return self.original_problem(host, target, field, original)
+
+
+GPU_TARGET = re.compile(r"gpu(0|[1-9][0-9]{0,3})")
+
+
+def is_gpu_target(host, target: str) -> bool:
+    m = GPU_TARGET.fullmatch(target)
+    return m is not None and int(m.group(1)) < host.gpus.count()
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def gpu_index(target: str) -> int:

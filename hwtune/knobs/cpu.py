@@ -8,8 +8,14 @@ journaled original is the per-state disable map {"cpuN/stateK": bool}.
 """
 from __future__ import annotations
 
+import re
+
 from hwtune.errors import KnobUnavailable
 from hwtune.knobs import BadValue, Knob
+
+CPU_NAME = re.compile(r"cpu(0|[1-9][0-9]{0,4})")
+STATE_KEY = re.compile(r"cpu(0|[1-9][0-9]{0,4})/state(0|[1-9][0-9]{0,2})")
+GOVERNOR_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
 
 
 def _key(state: dict) -> str:
@@ -61,6 +67,24 @@ class CpuGovernorKnob(Knob):
         if isinstance(value, dict) and len(set(value.values())) == 1:
             return next(iter(value.values()))
         return value
+
+    def known_target(self, host, target):
+        return target == "cpu"
+
+    def original_problem(self, host, target, field, original):
+        offered = host.cpu.available_governors()
+        names = original.values() if isinstance(original, dict) else [original]
+        if isinstance(original, dict):
+            cpus = host.cpu.governors()
+            for cpu in original:
+                if not isinstance(cpu, str) or not CPU_NAME.fullmatch(cpu) or cpu not in cpus:
+                    return f"original names {str(cpu)[:60]!r}, not a CPU of this host"
+        for gov in names:
+            if not isinstance(gov, str) or not GOVERNOR_NAME.fullmatch(gov):
+                return f"original governor {gov!r:.60} is not a governor name"
+            if offered is not None and gov not in offered:
+                return f"original governor {gov!r:.60} is not offered by this CPU"
+        return None
 
 
 class CpuIdleKnob(Knob):
@@ -116,3 +140,19 @@ class CpuIdleKnob(Knob):
         enabled = [latency[k] for k, disabled in value.items() if not disabled and k in latency]
         limit = max(enabled) if enabled else -1
         return f"{limit} ({sum(map(bool, value.values()))} of {len(value)} idle states disabled)"
+
+    def known_target(self, host, target):
+        return target == "cpu"
+
+    def original_problem(self, host, target, field, original):
+        if isinstance(original, dict):
+            states = {_key(s) for s in host.cpu.cstates()}
+            for key, disabled in original.items():
+                if not isinstance(key, str) or not STATE_KEY.fullmatch(key) or key not in states:
+                    return f"original names {str(key)[:60]!r}, not an idle state of this host"
+                if not isinstance(disabled, bool):
+                    return f"original {key}: {disabled!r:.60} is not true or false"
+            return None
+        if isinstance(original, bool) or not isinstance(original, int) or original < -1:
+            return f"original {original!r:.60} is not a latency in microseconds"
+        return None

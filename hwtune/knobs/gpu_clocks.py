@@ -1,16 +1,18 @@
 """Locked SM and memory clocks (application clocks are deprecated in CUDA 13: never used).
 
 NVML has no getter for locked clocks, so the original is always journaled as "reset" and
-restored by a reset. What hwtune itself set is kept in STATE_DIR/locks.json (keyed by GPU
-UUID and boot id: a reboot clears locks), which is how a real host reads back.
+restored by a reset, re-issued on every rollback (a reset is idempotent; a record can be
+stale). What hwtune itself set is kept in STATE_DIR/locks.json (keyed by GPU UUID and boot
+id: a reboot clears locks), which is how a real host reads back. The record is made durable
+before each write: first as "unknown" (so a crash or a full disk between the write and its
+record never reads as "reset"), then as the value once the device took it.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from hwtune.backends import write_json_atomic
-from hwtune.knobs import BadValue, Knob, gpu_index, gpu_targets
+from hwtune import faults, statefile
+from hwtune.knobs import BadValue, Knob, gpu_index, gpu_targets, is_gpu_target
 
 FIELDS = ("sm_clock_mhz", "memory_clock_mhz")
 
@@ -27,14 +29,17 @@ def _record_path(host) -> Path | None:
 
 
 def _load_record(host) -> dict:
+    """{uuid: {field: value}}; anything unreadable or untrusted reads as no record ("unknown")."""
     path = _record_path(host)
-    if path is None or not path.exists():
+    if path is None:
         return {}
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        data = statefile.read_json(path, "clock record")
+    except statefile.StateError:
         return {}
-    return data.get("gpus", {}) if data.get("boot_id") == _boot_id() else {}
+    if not isinstance(data, dict) or data.get("boot_id") != _boot_id() or not isinstance(data.get("gpus"), dict):
+        return {}
+    return {k: v for k, v in data["gpus"].items() if isinstance(v, dict)}
 
 
 def _save_record(host, uuid: str, field: str, value) -> None:
@@ -43,8 +48,17 @@ def _save_record(host, uuid: str, field: str, value) -> None:
         return
     gpus = _load_record(host)
     gpus.setdefault(uuid, {})[field] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, {"boot_id": _boot_id(), "gpus": gpus})
+    statefile.ensure_dir(path.parent)
+    statefile.write_json(path, {"boot_id": _boot_id(), "gpus": gpus})
+
+
+def _drop_record(host) -> None:
+    path = _record_path(host)
+    try:
+        if path is not None:
+            path.unlink()
+    except OSError:
+        pass
 
 
 class GpuClocksKnob(Knob):
@@ -65,7 +79,9 @@ class GpuClocksKnob(Knob):
             if v == "unknown":
                 if record is None:
                     record = _load_record(host).get(host.gpus.info(i)["uuid"], {})
-                out[field] = record.get(field, "unknown")
+                value = record.get(field, "unknown")
+                ok = value in ("reset", "unknown") or (isinstance(value, list) and len(value) == 2)
+                out[field] = value if ok else "unknown"
             else:
                 out[field] = list(v) if v else "reset"
         return out
@@ -100,6 +116,8 @@ class GpuClocksKnob(Knob):
 
     def write(self, host, target, field, value):
         i = gpu_index(target)
+        uuid = host.gpus.info(i)["uuid"]
+        _save_record(host, uuid, field, "unknown")  # durable before the device changes
         if field == "sm_clock_mhz":
             if value == "reset":
                 host.gpus.reset_locked_sm_clocks(i)
@@ -110,7 +128,40 @@ class GpuClocksKnob(Knob):
                 host.gpus.reset_locked_memory_clocks(i)
             else:
                 host.gpus.set_locked_memory_clocks_mhz(i, value[0], value[1])
-        _save_record(host, host.gpus.info(i)["uuid"], field, "reset" if value == "reset" else list(value))
+        faults.hit("clocks.written")
+        _save_record(host, uuid, field, "reset" if value == "reset" else list(value))
+        faults.hit("clocks.recorded")
+
+    def restore(self, host, target, field, original):
+        if original != "reset":
+            self.write(host, target, field, original)
+            return
+        # A reset is issued first, whatever the record: it must happen even when the disk is
+        # full. If its record cannot be written, the record goes (reads say "unknown", never a
+        # stale lock or a stale reset, and the next rollback re-issues the reset).
+        i = gpu_index(target)
+        uuid = host.gpus.info(i)["uuid"]
+        if field == "sm_clock_mhz":
+            host.gpus.reset_locked_sm_clocks(i)
+        else:
+            host.gpus.reset_locked_memory_clocks(i)
+        try:
+            _save_record(host, uuid, field, "reset")
+        except statefile.StateError:
+            _drop_record(host)
+
+    def restored(self, host, target, field, after, original):
+        # Without a getter (NVML) the reset's own success is all the device says.
+        return self.same(host, target, field, after, original) or (original == "reset" and after == "unknown")
+
+    def must_reissue(self, field, original):
+        return original == "reset"
+
+    def known_target(self, host, target):
+        return is_gpu_target(host, target)
+
+    def original_problem(self, host, target, field, original):
+        return None if original == "reset" else f"original {original!r:.60} is not reset (locked clocks are journaled as reset)"
 
     def same(self, host, target, field, current, wanted):
         if isinstance(current, (list, tuple)) and isinstance(wanted, (list, tuple)):

@@ -5,7 +5,7 @@ default limit) or "NN%" (a percentage of the default limit).
 """
 from __future__ import annotations
 
-from hwtune.knobs import BadValue, Knob, gpu_index, gpu_targets
+from hwtune.knobs import BadValue, Knob, gpu_index, gpu_targets, is_gpu_target, is_number
 
 
 def resolve_power_limit_w(value, lo: float, hi: float, default: float, target: str) -> float:
@@ -48,6 +48,17 @@ class GpuPowerKnob(Knob):
 
     def write(self, host, target, field, value):
         host.gpus.set_power_limit_w(gpu_index(target), value)
+
+    def known_target(self, host, target):
+        return is_gpu_target(host, target)
+
+    def original_problem(self, host, target, field, original):
+        if not is_number(original):
+            return f"original {original!r:.60} is not a number of watts"
+        constraints = host.gpus.get_power_limit_constraints_w(gpu_index(target))
+        if constraints is not None and not constraints[0] <= original <= constraints[1]:
+            return f"original {original:g} W outside {constraints[0]:g}..{constraints[1]:g} W"
+        return None
 
     def same(self, host, target, field, current, wanted):
         # NVML works in mW; anything within half a watt is the same setting.

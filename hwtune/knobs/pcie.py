@@ -6,6 +6,8 @@ prefix), or a list of BDFs.
 """
 from __future__ import annotations
 
+import re
+
 from hwtune.knobs import BadValue, Knob
 
 RO_BIT = 1 << 4
@@ -13,6 +15,8 @@ MRRS_SHIFT = 12
 MRRS_MASK = 0x7 << MRRS_SHIFT
 VENDOR_NVIDIA = "0x10de"
 VENDOR_MELLANOX = "0x15b3"
+BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+MRRS_BYTES = (128, 256, 512, 1024, 2048, 4096)
 
 
 def decode_devctl(devctl: int) -> dict:
@@ -70,3 +74,15 @@ class PcieKnob(Knob):
         else:
             n = int(value).bit_length() - 8  # 128 << n
             host.pcie.update_devctl(bdf, MRRS_MASK, n << MRRS_SHIFT)
+
+    def known_target(self, host, target):
+        bdf = target[len("pcie:"):] if target.startswith("pcie:") else None
+        return bdf is not None and BDF.fullmatch(bdf) is not None and any(
+            f["bdf"] == bdf for f in host.pcie.functions())
+
+    def original_problem(self, host, target, field, original):
+        if field == "relaxed_ordering":
+            return None if isinstance(original, bool) else f"original {original!r:.60} is not true or false"
+        if isinstance(original, bool) or original not in MRRS_BYTES:
+            return f"original {original!r:.60} is not a max read request size (128..4096)"
+        return None

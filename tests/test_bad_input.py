@@ -1,0 +1,237 @@
+"""Bad input is one line, exit 2 (1 for a device error), no traceback, nothing written:
+malformed simulated hosts, hostile service configs, an unreadable sysfs file, a BMC that
+answers 401 with an odd body."""
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_hwtune
+from fixtures.simhost import make_sim
+from fixtures.sysfs_tree import build, snapshot
+
+
+def _one_line_error(proc, code):
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    return proc.stderr.strip()
+
+
+# -- malformed simulated host files ------------------------------------------------------
+
+def _edit(key_path, value):
+    def change(d):
+        node = d
+        for k in key_path[:-1]:
+            node = node[k]
+        if value is _DELETE:
+            del node[key_path[-1]]
+        else:
+            node[key_path[-1]] = value
+    return change
+
+
+_DELETE = object()
+MALFORMED = {
+    "not-json": b"{ this is not json",
+    "empty": b"",
+    "a-list": b"[]",
+    "an-empty-object": b"{}",
+    "invalid-utf8": b'{"gpus": "\xff\xfe"}',
+    "deep": b"[" * 50000 + b"]" * 50000,
+    "nan": None,  # built below from a real host
+}
+EDITS = {
+    "gpus-not-a-list": (("gpus",), {"0": 1}),
+    "gpu-not-an-object": (("gpus", 0), 7),
+    "no-power-limit": (("gpus", 0, "power_limit_w"), _DELETE),
+    "power-limit-text": (("gpus", 0, "power_limit_w"), "lots"),
+    "constraints-one-number": (("gpus", 1, "power_limit_constraints_w"), [200]),
+    "supported-clocks-text": (("gpus", 0, "supported_sm_clocks_mhz"), "fast"),
+    "locked-clocks-one": (("gpus", 0, "locked_sm_clocks_mhz"), [1410]),
+    "telemetry-text": (("gpus", 0, "telemetry", "temperature_c"), "hot"),
+    "no-pcie": (("pcie",), _DELETE),
+    "pcie-no-bdf": (("pcie", 0, "bdf"), _DELETE),
+    "pcie-bdf-path": (("pcie", 0, "bdf"), "../../etc"),
+    "devctl-text": (("pcie", 0, "devctl"), "0x2920"),
+    "no-cpus": (("cpu", "cpus"), _DELETE),
+    "cstate-no-latency": (("cpu", "cpus", 0, "cstates", 0, "latency_us"), _DELETE),
+    "governors-not-names": (("cpu", "available_governors"), [1, 2]),
+    "faults-not-a-list": (("faults",), "all"),
+    "delay-negative": (("write_delay_ms",), -5),
+    "bios-a-list": (("bios",), [1]),
+    "getter-text": (("locked_clocks_getter",), "no"),
+}
+
+
+def _malformed(tmp_path, name) -> Path:
+    sim = make_sim(tmp_path)
+    if name in EDITS:
+        data = json.loads(sim.read_text())
+        path, value = EDITS[name]
+        _edit(path, value)(data)
+        sim.write_text(json.dumps(data))
+    elif name == "nan":
+        sim.write_text(sim.read_text().replace('"power_limit_w": 700', '"power_limit_w": NaN', 1))
+    else:
+        sim.write_bytes(MALFORMED[name])
+    return sim
+
+
+@pytest.mark.parametrize("name", sorted(set(MALFORMED) | set(EDITS)))
+def test_a_malformed_sim_file_is_one_line_exit_2_and_nothing_written(tmp_path, name):
+    sim = _malformed(tmp_path, name)
+    before = sim.read_bytes()
+    for cmd in (["plan", "-p", "throughput"], ["apply", "-p", "throughput"], ["status"], ["verify"],
+                ["rollback"], ["tune", "--no-kernels", "--budget", "2"]):
+        t0 = time.monotonic()
+        r = run_hwtune("--sim", sim, *cmd)
+        assert time.monotonic() - t0 < 30
+        line = _one_line_error(r, 2)
+        assert line.startswith(f"hwtune {cmd[0]}: simulated host {sim}"), line
+    assert sim.read_bytes() == before
+    assert not (Path(str(sim) + ".state") / "journal.json").exists()
+
+
+def test_a_sim_path_that_is_a_directory_is_bad_input(tmp_path):
+    d = tmp_path / "dir.json"
+    d.mkdir()
+    _one_line_error(run_hwtune("--sim", d, "plan"), 2)
+
+
+# -- hostile service configs -------------------------------------------------------------
+
+def _config(tmp_path, text: str) -> Path:
+    path = tmp_path / "hwtune.yaml"
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+BILLION_LAUGHS = "\n".join(
+    ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    + [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]" for i in range(8)]
+    + ["profile: *i"]) + "\n"
+
+
+@pytest.mark.parametrize("text,key", [
+    (BILLION_LAUGHS, "anchors (&name) are not allowed"),
+    ("profile: " + "[" * 20000 + "]" * 20000 + "\n", "nested deeper"),
+    ("metrics: " + "{a: " * 20000 + "1" + "}" * 20000 + "\n", "nested deeper"),
+    ("profile: throughput\nprofile: efficiency\n", "profile: duplicate key"),
+    ("metrics:\n  port: 1\n  port: 2\n", "metrics.port: duplicate key"),
+    ("agent_user: no-such-user-here\n", "agent_user: no such user"),
+    ("profile: " + "x" * 300 + "\n", "profile: a name of 300 bytes"),
+    ("profile: " + "é" * 200 + "\n", "profile: a name of 400 bytes"),
+    ("profile: [" + ", ".join(["1"] * 5000) + "]\n", "profile: expected a profile name or path, got a list of 5000"),
+], ids=["billion-laughs", "deep-list", "deep-map", "duplicate-profile", "duplicate-port", "agent-user",
+        "long-profile", "long-utf8-profile", "huge-value"])
+def test_a_hostile_config_is_answered_within_a_second_naming_the_key(tmp_path, text, key):
+    sim = make_sim(tmp_path)
+    before = sim.read_bytes()
+    config = _config(tmp_path, text)
+    for cmd in (["daemon", "--config", str(config), "--once"], ["--config", str(config), "apply"]):
+        t0 = time.monotonic()
+        r = run_hwtune("--sim", sim, *cmd)
+        elapsed = time.monotonic() - t0
+        line = _one_line_error(r, 2)
+        assert key in line, line
+        assert len(line) < 400  # the value is never printed whole
+        assert elapsed < 1.0 + _startup_s(), elapsed
+    assert sim.read_bytes() == before
+
+
+_STARTUP: list = []
+
+
+def _startup_s() -> float:
+    """How long the CLI takes to start here (the budget is one second on top of it)."""
+    if not _STARTUP:
+        t0 = time.monotonic()
+        run_hwtune("--help")
+        _STARTUP.append(time.monotonic() - t0)
+    return _STARTUP[0]
+
+
+def test_a_profile_name_too_long_for_a_file_is_refused_on_the_command_line(tmp_path):
+    sim = make_sim(tmp_path)
+    line = _one_line_error(run_hwtune("--sim", sim, "apply", "-p", "y" * 300), 2)
+    assert "profile" in line and "at most 255" in line
+
+
+def test_a_deeply_nested_profile_is_refused_not_a_recursion_error(tmp_path):
+    sim = make_sim(tmp_path)
+    prof = tmp_path / "deep.yaml"
+    prof.write_text("gpu: " + "[" * 20000 + "]" * 20000 + "\n")
+    line = _one_line_error(run_hwtune("--sim", sim, "plan", "-p", prof), 2)
+    assert "nested deeper" in line
+
+
+# -- an unreadable sysfs file ------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["directory", "fifo", "binary"])
+def test_an_unreadable_sysfs_file_is_one_line_exit_1_and_nothing_written(tmp_path, how):
+    root = build(tmp_path / "root")
+    gov = root / "sys/devices/system/cpu/cpu2/cpufreq/scaling_governor"
+    gov.unlink()
+    if how == "directory":
+        gov.mkdir()
+    elif how == "fifo":
+        os.mkfifo(gov)
+    else:
+        gov.write_bytes(b"\xff\xfe\x00")
+    prof = tmp_path / "p.yaml"
+    prof.write_text("cpu:\n  governor: performance\npcie:\n  select: nvidia\n  relaxed_ordering: true\n")
+    before = snapshot(root)
+    for cmd in (["plan", "-p", str(prof)], ["apply", "-p", str(prof)], ["verify", "-p", str(prof)]):
+        r = run_hwtune("--sysfs-root", root, "--state-dir", tmp_path / "s", *cmd, timeout=30)
+        line = _one_line_error(r, 1)
+        assert "scaling_governor" in line and "nothing was written" in line
+    assert snapshot(root) == before
+    assert not (tmp_path / "s" / "journal.json").exists()
+
+
+# -- a BMC that answers 401 with an odd body ---------------------------------------------
+
+class _Odd401(http.server.BaseHTTPRequestHandler):
+    body = b""
+    ctype = "text/html"
+
+    def do_GET(self):
+        self.send_response(401)
+        self.send_header("Content-Type", self.ctype)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("body,ctype", [(b"<html>go away</html>", "text/html"), (b'{"error": 5}', "application/json"),
+                                        (b"[1, 2]", "application/json"), (b"null", "application/json"),
+                                        (b"\xff\xfe", "application/json")])
+def test_a_bmc_answering_401_with_an_odd_body_is_one_line(tmp_path, body, ctype):
+    handler = type("H", (_Odd401,), {"body": body, "ctype": ctype})
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        root = build(tmp_path / "root")
+        prof = tmp_path / "p.yaml"
+        prof.write_text(f"bios:\n  endpoint: http://127.0.0.1:{server.server_port}\n"
+                        "  expect: {PowerProfile: MaxPerf}\n")
+        r = run_hwtune("--sysfs-root", root, "--state-dir", tmp_path / "s", "verify", "-p", prof, timeout=60)
+        line = _one_line_error(r, 1)
+        assert f"redfish http://127.0.0.1:{server.server_port}" in line
+        plan = run_hwtune("--sysfs-root", root, "--state-dir", tmp_path / "s", "plan", "-p", prof, timeout=60)
+        assert plan.returncode == 0 and "Traceback" not in plan.stderr and "skip bios: redfish" in plan.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
