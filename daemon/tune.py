@@ -365,16 +365,37 @@ def summary(report: dict) -> dict:
     return out
 
 
+def row_marks(report: dict) -> list[str]:
+    """The status shown per evaluation: a point measured fine but under the throughput floor
+    is not "ok" for an energy objective (it cannot be kept), so it says so."""
+    s = report.get("search") or {}
+    stock_tps = ((s.get("reference") or {}).get("metrics") or {}).get("tokens_per_s")
+    best = (s.get("best") or {}).get("label")
+    marks = []
+    for e in s.get("evaluations", []):
+        m = e.get("metrics") or {}
+        status = e["status"]
+        if e["status"] == "ok" and report.get("objective") == "energy" and stock_tps:
+            share = m.get("tokens_per_s", 0.0) / stock_tps
+            if share < report["floor"]:
+                status = f"below floor ({share:.1%} of stock tokens/s)"
+        if e["status"] == "ok" and e["label"] == best:
+            status += ", best"
+        marks.append(status)
+    return marks
+
+
 def format_table(report: dict) -> str:
     s = report.get("search") or {}
-    lines = [f"hwtune tune ({report['source']}, objective {report['objective']}, floor {report['floor']:.0%} "
-             f"of stock tokens/s, GPUs {report['gpus']})",
+    goal = (f"floor {report['floor']:.0%} of stock tokens/s" if report["objective"] == "energy"
+            else "most tokens/s")
+    lines = [f"hwtune tune ({report['source']}, objective {report['objective']}, {goal}, GPUs {report['gpus']})",
              f"{'#':>3}  {'point':28s} {'tokens/s':>10} {'tokens/J':>9} {'power W':>8}  status"]
-    for n, e in enumerate(s.get("evaluations", []), 1):
+    for n, (e, mark) in enumerate(zip(s.get("evaluations", []), row_marks(report)), 1):
         m = e.get("metrics") or {}
         lines.append(f"{n:>3}  {e['label']:28s} {m.get('tokens_per_s', float('nan')):10.1f} "
                      f"{m.get('tokens_per_j', float('nan')):9.3f} {m.get('power_w') or float('nan'):8.0f}  "
-                     f"{e['status']}")
+                     f"{mark}")
     sm = summary(report)
     if sm.get("tokens_per_j_vs_stock") is not None:
         lines.append(f"best: {sm['best']}: {sm['tokens_per_j_vs_stock']:.3f}x tokens/J, "
