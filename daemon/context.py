@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_CONFIG = Path("/etc/hwtune/hwtune.yaml")
 DEFAULT_PROFILE_DIR = Path("/etc/hwtune/profiles")
+# The options that go before the command: name -> takes a value.
+GLOBAL_OPTIONS = {"--config": True, "--state-dir": True, "--sim": True, "--sysfs-root": True,
+                  "--profile-dir": True, "--read-only": False}
 
 
 def _truthy(value: str | None) -> bool:
@@ -24,6 +28,24 @@ def default_state_dir(sim_path: str | None) -> Path:
     if os.geteuid() == 0:
         return Path("/var/lib/hwtune")
     return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local/state")) / "hwtune"
+
+
+def ensure_writable_dir(path: Path, what: str, advice: str) -> None:
+    """mkdir -p PATH and create (then remove) a file in it; UsageError naming PATH otherwise
+    (under /proc, under a regular file, immutable, read-only mount, no permission)."""
+    from hwtune.errors import UsageError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".hwtune-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if isinstance(exc, FileExistsError) or (path.exists() and not path.is_dir()):
+            reason = "exists and is not a directory"
+        raise UsageError(f"{what} {path} cannot be created or written: {reason}; {advice}") from None
 
 
 @dataclass
@@ -66,6 +88,14 @@ class Context:
             read_only=args.read_only or _truthy(os.environ.get("HWTUNE_READ_ONLY")),
             profile_dir=args.profile_dir,
         )
+
+    def ensure_state_dir(self) -> Path:
+        """Create the state directory and prove it takes a file, or fail with one line (exit
+        2) before anything is touched: a journal that cannot be written must stop an apply
+        before its first write, not after."""
+        ensure_writable_dir(self.state_dir, "state directory",
+                            "choose another with --state-dir DIR, before the command")
+        return self.state_dir
 
     def open_host(self, bios=None):
         """The host the hardware loop works on: simulated (--sim) or real (NVML + sysfs)."""

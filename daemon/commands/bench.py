@@ -6,16 +6,18 @@ never sets anything.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+from daemon.device import DEVICE_HELP, resolve_device
 from hwtune.errors import UsageError
 
 
 def add_bench_arguments(p) -> None:
     m = p.add_argument_group("built-in model")
-    m.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    m.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help=DEVICE_HELP)
     m.add_argument("--preset", choices=["tiny", "llama3-8b-8l"], default=None,
                    help="model size (default llama3-8b-8l on CUDA, tiny on CPU)")
     m.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
@@ -65,9 +67,23 @@ def _load_json(path: Path, what: str) -> dict:
 
 
 def run_bench(args, ctx) -> int:
+    from daemon.context import ensure_writable_dir
+
     if args.steps < 20:
         raise UsageError(f"--steps {args.steps}: at least 20 steps for a median")
     baseline = _load_json(args.baseline, "--baseline") if args.baseline else None
+    out_dir = args.out
+    if out_dir is None and baseline is not None:
+        out_dir = Path(ctx.state_dir) / "bench" / time.strftime("%Y%m%d-%H%M%S")
+    if not args.from_results:
+        args.device = resolve_device(args.device)
+        if args.device == "cpu" and not args.workload_command:
+            # The tuned variant runs Triton kernels, on a CPU only under the interpreter: the
+            # same as `hwtune search --device cpu`, so the table a search wrote is used here.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    if out_dir is not None:  # before measuring: minutes of work must not end in "cannot write"
+        ensure_writable_dir(out_dir, "--out" if args.out else "report directory",
+                            "choose another with --out DIR")
     if args.from_results:
         doc = _load_json(args.from_results, "--from-results")
     else:
@@ -77,12 +93,8 @@ def run_bench(args, ctx) -> int:
         doc["baseline"] = {"path": str(args.baseline), "label": baseline.get("label"),
                            "created": baseline.get("created")}
 
-    out_dir = args.out
-    if out_dir is None and baseline is not None:
-        out_dir = Path(ctx.state_dir) / "bench" / time.strftime("%Y%m%d-%H%M%S")
     if out_dir is not None:
         from daemon.bench.report import write_report
-        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
         paths = write_report(doc, baseline, out_dir)
         print(f"hwtune bench: wrote {out_dir / 'results.json'}, {paths['markdown']}, {paths['png']}",

@@ -201,6 +201,8 @@ def run_apply(args, ctx) -> int:
 
     profile, host = _load(args, ctx)
     unmatched = engine.unmatched(host, profile)
+    if not host.read_only:
+        ctx.ensure_state_dir()
     for line in unmatched:
         _log(f"warning: {line}")
     result = engine.apply(host, profile, ctx.state_dir, _log)
