@@ -159,6 +159,45 @@ def _write_json(path: Path, data) -> None:
     write_json_atomic(path, data)
 
 
+def _write_yaml(path: Path, data: dict, comment: str) -> None:
+    import yaml
+
+    from hwtune.backends import write_text_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, f"{comment}\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+
+
+def _run_streaming(cmd, cwd, env, timeout_s: float, echo) -> tuple[int, str, str]:
+    """Run `cmd`, passing each stderr line to `echo` as it comes (a search's progress), and
+    return (exit code, stdout, stderr). TimeoutExpired after `timeout_s`, the child killed."""
+    import threading
+
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    err: list[str] = []
+
+    def read_err():
+        for line in p.stderr:
+            err.append(line)
+            echo(line.rstrip("\n"))
+
+    readers = [threading.Thread(target=lambda: out.append(p.stdout.read()), daemon=True),
+               threading.Thread(target=read_err, daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        rc = p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    finally:
+        for t in readers:
+            t.join(timeout=5)
+    return rc, "".join(out), "".join(err)
+
+
 def run_kernels(ctx, kernels, device: str, budget: str, log) -> list[dict]:
     """The inner loop at the chosen point: `hwtune search KERNEL` in a child process."""
     rows = []
@@ -173,18 +212,19 @@ def run_kernels(ctx, kernels, device: str, budget: str, log) -> list[dict]:
         env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
         t0 = time.monotonic()
         try:
-            p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+            rc, stdout, stderr = _run_streaming(cmd, root, env, timeout_s=1800,
+                                                echo=lambda line: log(f"  {kernel}: {line}"))
         except subprocess.TimeoutExpired:
             rows.append({"kernel": kernel, "device": device, "ok": False, "error": "timed out"})
             continue
-        row = {"kernel": kernel, "device": device, "ok": p.returncode == 0, "rc": p.returncode,
+        row = {"kernel": kernel, "device": device, "ok": rc == 0, "rc": rc,
                "seconds": round(time.monotonic() - t0, 1)}
         try:
-            row["result"] = json.loads(p.stdout) if p.stdout.strip() else None
+            row["result"] = json.loads(stdout) if stdout.strip() else None
         except ValueError:
             row["result"] = None
-        if p.returncode != 0:
-            row["error"] = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        if rc != 0:
+            row["error"] = (stderr.strip().splitlines() or ["(no output)"])[-1]
             log(f"kernel search {kernel}: failed ({row['error']})")
         rows.append(row)
     return rows
@@ -325,7 +365,8 @@ def _record(state_dir, report, result, kept, baseline, gpus, space, opts, source
         profile = {"description": f"kept by hwtune tune ({opts.objective}, {source})",
                    **({"include": [base_profile]} if base_profile else {}),
                    "gpu": kept.gpu_section(gpus, space.sm_clock_min_mhz)}
-        _write_json(tuned, profile)  # JSON is YAML
+        _write_yaml(tuned, profile, f"# {TUNED_PROFILE}: the point `hwtune tune` kept ({opts.objective}, "
+                                    f"{source}); `hwtune rollback` undoes it")
         report["tuned_profile"] = str(tuned)
     objective_value = None
     if best is not None and best.metrics:

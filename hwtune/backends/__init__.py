@@ -34,11 +34,15 @@ def fsync_dir(path: Path) -> None:
 
 def write_json_atomic(path: Path, data) -> None:
     """Write temp + fsync + rename + fsync(dir): a reader sees the old or the new file, never half."""
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """write_json_atomic for text that is not JSON (a YAML profile)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
