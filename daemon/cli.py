@@ -37,9 +37,26 @@ def _fn_name(prefix: str, command: str) -> str:
     return f"{prefix}_{command.replace('-', '_')}"
 
 
+class _Help(argparse.HelpFormatter):
+    """--help shows every default that is a value (not off, not unset) unless the help text
+    already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and action.nargs != 0 and "default" not in text
+                and default not in (None, False, argparse.SUPPRESS)):
+            text += f" (default {default})"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad arguments are one line on stderr, exit 2 (argparse's usage block buries the reason).
-    Subparsers inherit the class."""
+    Subparsers inherit the class, and with it the help that shows defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")

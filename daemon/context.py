@@ -63,9 +63,11 @@ class Context:
         g.add_argument("--config", type=Path, default=None,
                        help=f"service config file (default {DEFAULT_CONFIG} when present)")
         g.add_argument("--state-dir", type=Path, default=None,
-                       help="journal, lock and results (default /var/lib/hwtune as root)")
+                       help="journal, lock and results (default: HOST.json.state beside a --sim file; "
+                            "else /var/lib/hwtune as root, ~/.local/state/hwtune otherwise)")
         g.add_argument("--sim", type=Path, default=None, metavar="HOST.json",
-                       help="use the simulated host kept in this file instead of the real one")
+                       help="use the simulated host kept in this file instead of the real one "
+                            "(create it with `hwtune sim init HOST.json`)")
         g.add_argument("--sysfs-root", type=Path, default=Path(os.environ.get("HWTUNE_SYSFS_ROOT", "/")),
                        help="root under which /sys is read (for fixture trees)")
         g.add_argument("--profile-dir", type=Path,
@@ -96,6 +98,18 @@ class Context:
         ensure_writable_dir(self.state_dir, "state directory",
                             "choose another with --state-dir DIR, before the command")
         return self.state_dir
+
+    def check_state_dir(self) -> None:
+        """For commands that only read state: a state directory that is, or lies under, a
+        regular file is bad input (exit 2); one that does not exist yet simply holds nothing."""
+        from hwtune.errors import UsageError
+
+        for q in (self.state_dir, *self.state_dir.parents):
+            if q.exists():
+                if not q.is_dir():
+                    raise UsageError(f"state directory {self.state_dir}: {q} is not a directory; "
+                                     "choose another with --state-dir DIR, before the command")
+                return
 
     def open_host(self, bios=None):
         """The host the hardware loop works on: simulated (--sim) or real (NVML + sysfs)."""

@@ -30,7 +30,7 @@ def add_bench_arguments(p) -> None:
     m.add_argument("--variants", default="eager,graphed,compile,tuned",
                    help="comma list of eager, graphed, compile, tuned")
     m.add_argument("--steps", type=int, default=50, help="timed decode steps (median; >= 20)")
-    m.add_argument("--warmup", type=int, default=10)
+    m.add_argument("--warmup", type=int, default=10, help="untimed decode steps before the timed ones")
     m.add_argument("--energy-window-s", type=float, default=2.0,
                    help="NVML energy window per measurement (>= 2 s; 0 skips energy)")
     m.add_argument("--budget-s", type=float, default=270.0,
@@ -39,14 +39,14 @@ def add_bench_arguments(p) -> None:
                    help="dispatch table (default STATE_DIR/dispatch/<fingerprint-id>.json)")
     m.add_argument("--quick-pick", type=int, default=8,
                    help="without a table: template configs tried per op at decode shapes")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="seed of the model weights and tokens")
     w = p.add_argument_group("your workload instead of the built-in model")
     # dest differs from "command": the CLI keeps the subcommand's name there.
     w.add_argument("--command", dest="workload_command", default=None, metavar="CMD",
                    help="run CMD (no shell; split like a shell would) and read its metric")
     w.add_argument("--metric-regex", default=None,
                    help=r"regex whose first group is the metric (default tokens/s[:=]\s*([0-9.]+))")
-    w.add_argument("--command-timeout-s", type=float, default=None)
+    w.add_argument("--command-timeout-s", type=float, default=None, help="stop CMD after this many seconds (default none)")
     o = p.add_argument_group("output")
     o.add_argument("--baseline", type=Path, default=None, metavar="FILE",
                    help="results JSON of an earlier run (e.g. a cloud VM) to compare with")

@@ -60,6 +60,7 @@ def _load(args, ctx):
     """Profile first (bad input exits 2 before anything is opened), then the host."""
     from hwtune import profiles
 
+    ctx.check_state_dir()
     profile = profiles.load(_profile_name(args, ctx), ctx.profile_dir)
     host = ctx.open_host(bios=_bios_backend(profile, ctx))
     if host.kind == "sim":
@@ -137,6 +138,7 @@ def _print_status(s: dict, sim_path=None) -> None:
 def run_status(args, ctx) -> int:
     from hwtune import engine
 
+    ctx.check_state_dir()
     host = ctx.open_host()
     s = engine.status(host, ctx.state_dir)
     if args.json:
@@ -268,6 +270,7 @@ def add_rollback_arguments(p) -> None:
 def run_rollback(args, ctx) -> int:
     from hwtune import engine
 
+    ctx.check_state_dir()
     host = ctx.open_host()
     restored = engine.rollback(host, ctx.state_dir, _log)
     if args.json:

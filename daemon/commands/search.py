@@ -29,7 +29,8 @@ def _shape(text: str) -> dict:
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("kernel", help="rmsnorm, add_rmsnorm, softmax, matmul, decode_attention")
-    p.add_argument("--strategy", choices=STRATEGIES, default="grid")
+    p.add_argument("--strategy", choices=STRATEGIES, default="grid",
+                   help="how candidates are proposed (agent: an external command, see --agent-command)")
     p.add_argument("--budget", default="medium",
                    help="points per shape (agent: rounds): a number or small|medium|large|all")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -39,12 +40,12 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
                    help="search only this shape (repeatable), e.g. M=4096,N=4096")
     p.add_argument("--resume", action="store_true",
                    help="skip (kernel, shape, candidate) already in the ledger for this device and code")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of random, optuna and evolution")
     p.add_argument("--timeout-s", type=float, default=None, help="per harness request (default: harness's)")
     p.add_argument("--source", type=Path, default=None, help="search this template file instead of the built-in")
     p.add_argument("--agent-command", default=None,
                    help="agent proposer command (split like a shell, run without one); {workdir} is substituted")
-    p.add_argument("--agent-timeout-s", type=float, default=900.0)
+    p.add_argument("--agent-timeout-s", type=float, default=900.0, help="limit per agent round, seconds")
     p.add_argument("--agent-user", default=None, help="run the agent as this user when hwtune runs as root "
                         "(default: the config's agent_user, nobody)")
     p.add_argument("--model-family", choices=("llama", "deepseek", "all"), default="llama",

@@ -50,6 +50,7 @@ def run_share(args, ctx) -> int:
             if args.kernel not in SPECS:
                 raise UsageError(f"--kernel {args.kernel}: no such kernel (known: {', '.join(SPECS)})")
         local = None if args.fingerprint else _local_fingerprint(args.device)
+        ctx.ensure_state_dir()  # the ledger lives there (opening it creates it)
         fp_id = args.fingerprint or fingerprint_id(local)
         try:
             bundle = share.export_bundle(ctx.state_dir, fp_id, fingerprint=local, ledger_path=args.ledger,
