@@ -107,7 +107,9 @@ class Context:
         for q in (self.state_dir, *self.state_dir.parents):
             if q.exists():
                 if not q.is_dir():
-                    raise UsageError(f"state directory {self.state_dir}: {q} is not a directory; "
+                    why = ("exists and is not a directory" if q == self.state_dir
+                           else f"Not a directory ({q} is a file)")
+                    raise UsageError(f"state directory {self.state_dir} cannot be created or written: {why}; "
                                      "choose another with --state-dir DIR, before the command")
                 return
 

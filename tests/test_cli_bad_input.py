@@ -74,6 +74,19 @@ def test_a_state_dir_that_cannot_be_created_is_one_line_and_exit_2_before_any_wr
     assert sim.read_bytes() == before  # not one setting written
 
 
+def test_commands_that_only_read_state_refuse_a_state_dir_under_a_regular_file(tmp_path):
+    sim = make_sim(tmp_path)
+    regular = tmp_path / "regular-file"
+    regular.write_text("x")
+    for state in (regular, regular / "state"):
+        for command in (("status",), ("plan", "-p", "throughput"), ("verify", "-p", "throughput"), ("rollback",),
+                        ("share", "export")):
+            proc = run_hwtune("--sim", sim, "--state-dir", state, *command, timeout=120)
+            one_line(proc, f"hwtune {command[0]}: state directory {state}")
+    # a state directory that does not exist yet holds nothing: reading it is fine
+    assert run_hwtune("--sim", sim, "--state-dir", "/proc/hwtune-none", "status").returncode == 0
+
+
 def test_sim_init_into_a_place_that_cannot_hold_the_file_is_one_line(tmp_path):
     regular = tmp_path / "f"
     regular.write_text("x")

@@ -100,11 +100,28 @@ def test_defaults_agree_and_help_shows_them():
     assert "FILE.state" in sim_init  # where --sim FILE keeps its state
 
 
-@pytest.mark.parametrize("action", ["init", "set", "show"])
-def test_every_sim_option_has_help_text(action):
+def _all_parsers():
     from daemon.cli import build_parser
 
-    sim = build_parser().command_parsers["sim"]
-    sub = next(a for a in sim._actions if a.__class__.__name__ == "_SubParsersAction").choices[action]
-    missing = [a.dest for a in sub._actions if not a.help]
-    assert not missing, missing
+    for name, p in build_parser().command_parsers.items():
+        yield name, p
+        for a in p._actions:
+            if a.__class__.__name__ == "_SubParsersAction":
+                for sub_name, sub in a.choices.items():
+                    yield f"{name} {sub_name}", sub
+
+
+def test_every_option_of_every_command_has_help_text_sim_included():
+    names = []
+    for name, p in _all_parsers():
+        names.append(name)
+        missing = [a.dest for a in p._actions if a.option_strings and not a.help]
+        assert not missing, (name, missing)
+    assert {"sim init", "sim set", "sim show", "share export"} <= set(names)
+
+
+def test_help_shows_valued_defaults():
+    assert "(default 12)" in _help("tune")
+    assert "(default 270.0)" in _help("bench") and "(default 50)" in _help("bench")
+    assert "(default medium)" in _help("search")
+    assert "--restore restore the starting settings (default" not in _help("tune")  # flags: no "default True"
