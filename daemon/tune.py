@@ -236,6 +236,8 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
 
     host = ctx.open_host()
     gpus = _select_gpus(host, opts.gpus)
+    if not host.read_only:
+        ctx.ensure_state_dir()  # bad input (exit 2), said before a word about tuning
     space = Space.from_host(host, gpus)
     objective = Objective(opts.objective, opts.floor)
     simulated = host.kind == "sim"
