@@ -45,15 +45,77 @@ def _fn_name(prefix: str, command: str) -> str:
     return f"{prefix}_{command.replace('-', '_')}"
 
 
+class _Help(argparse.HelpFormatter):
+    """--help shows every default that is a value (not off, not unset) unless the help text
+    already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and action.nargs != 0 and "default" not in text
+                and default not in (None, False, argparse.SUPPRESS)):
+            text += f" (default {default})"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line on stderr, exit 2 (argparse's usage block buries the reason).
+    Subparsers inherit the class, and with it the help that shows defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _misplaced(argv: list[str], extra: list[str]) -> str | None:
+    """A global option written after the command (`hwtune status --sim h.json`): say where it
+    goes, with the command line put right."""
+    from daemon.context import GLOBAL_OPTIONS
+
+    moved: list[str] = []
+    for n, arg in enumerate(extra):
+        name = arg.split("=", 1)[0]
+        if name in GLOBAL_OPTIONS:
+            moved.append(arg)
+            takes_value = GLOBAL_OPTIONS[name] and "=" not in arg
+            if takes_value and n + 1 < len(extra) and not extra[n + 1].startswith("-"):
+                moved.append(extra[n + 1])
+    if not moved:
+        return None
+    rest = list(argv)
+    for arg in moved:
+        rest.reverse()
+        rest.remove(arg)  # the last occurrence: the misplaced one, after the command
+        rest.reverse()
+    fixed = " ".join(["hwtune", *moved, *rest])
+    return f"{moved[0]} is a global option: global options go before the command: {fixed}"
+
+
+def _quiet_broken_pipe() -> None:
+    """The reader went away (`hwtune status | head -3`): drop what is left of our output
+    instead of a BrokenPipeError at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):
+            pass
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hwtune",
         description="Tune an owned GPU host: hardware knobs, Triton kernels, end-to-end proof.",
     )
     Context.add_global_arguments(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.command_parsers = {}
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        parser.command_parsers[name] = p
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -69,7 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        hint = _misplaced(argv, extra) if args.command else None
+        if args.command and not hint:
+            own = {o for a in parser.command_parsers[args.command]._actions for o in a.option_strings}
+            early = [a for a in extra if a.split("=", 1)[0] in own]
+            if early:
+                hint = f"{early[0]} is an option of {args.command}: it goes after the command"
+        where = f"hwtune {args.command}" if args.command else "hwtune"
+        parser.exit(2, f"{where}: {hint or 'unrecognized arguments: ' + ' '.join(extra)} "
+                       f"(see {where} --help)\n")
     if not args.command:
         parser.print_help()
         return 2
@@ -77,14 +150,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hwtune {args.command}: not available in this build ({args._missing} missing)", file=sys.stderr)
         return 2
     ctx = Context.from_args(args)
+    rc = 0
     try:
-        return int(args._run(args, ctx) or 0)
-    except HwtuneError as exc:
-        _tell(f"hwtune {args.command}: {exc}")
-        return exc.exit_code
-    except KeyboardInterrupt:
-        _tell(f"hwtune {args.command}: interrupted")
-        return 130
+        try:
+            rc = int(args._run(args, ctx) or 0)
+        except HwtuneError as exc:
+            rc = exc.exit_code
+            _tell(f"hwtune {args.command}: {exc}")
+        except KeyboardInterrupt:
+            rc = 130
+            _tell(f"hwtune {args.command}: interrupted")
+        sys.stdout.flush()  # here, where a closed pipe can still be caught
+        return rc
+    except BrokenPipeError:
+        # The reader left (`hwtune status | head -3`): it has what it wanted; nothing to say.
+        _quiet_broken_pipe()
+        return rc
 
 
 if __name__ == "__main__":

@@ -4,11 +4,15 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_CONFIG = Path("/etc/hwtune/hwtune.yaml")
 DEFAULT_PROFILE_DIR = Path("/etc/hwtune/profiles")
+# The options that go before the command: name -> takes a value.
+GLOBAL_OPTIONS = {"--config": True, "--state-dir": True, "--sim": True, "--sysfs-root": True,
+                  "--profile-dir": True, "--read-only": False}
 
 
 def _truthy(value: str | None) -> bool:
@@ -27,6 +31,24 @@ def default_state_dir(sim_path: str | None) -> Path:
     return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local/state")) / "hwtune"
 
 
+def ensure_writable_dir(path: Path, what: str, advice: str) -> None:
+    """mkdir -p PATH and create (then remove) a file in it; UsageError naming PATH otherwise
+    (under /proc, under a regular file, immutable, read-only mount, no permission)."""
+    from hwtune.errors import UsageError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".hwtune-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if isinstance(exc, FileExistsError) or (path.exists() and not path.is_dir()):
+            reason = "exists and is not a directory"
+        raise UsageError(f"{what} {path} cannot be created or written: {reason}; {advice}") from None
+
+
 @dataclass
 class Context:
     config_path: Path | None
@@ -42,9 +64,11 @@ class Context:
         g.add_argument("--config", type=Path, default=None,
                        help=f"service config file (default {DEFAULT_CONFIG} when present)")
         g.add_argument("--state-dir", type=Path, default=None,
-                       help="journal, lock and results (default /var/lib/hwtune as root)")
+                       help="journal, lock and results (default: HOST.json.state beside a --sim file; "
+                            "else /var/lib/hwtune as root, ~/.local/state/hwtune otherwise)")
         g.add_argument("--sim", type=Path, default=None, metavar="HOST.json",
-                       help="use the simulated host kept in this file instead of the real one")
+                       help="use the simulated host kept in this file instead of the real one "
+                            "(create it with `hwtune sim init HOST.json`)")
         g.add_argument("--sysfs-root", type=Path, default=Path(os.environ.get("HWTUNE_SYSFS_ROOT", "/")),
                        help="root under which /sys is read (for fixture trees)")
         g.add_argument("--profile-dir", type=Path,
@@ -78,6 +102,28 @@ class Context:
             parts += ["--sysfs-root", str(Path(self.sysfs_root).resolve())]
         parts += ["--state-dir", str(Path(self.state_dir).resolve()), *args]
         return shlex.join(parts)
+
+    def ensure_state_dir(self) -> Path:
+        """Create the state directory and prove it takes a file, or fail with one line (exit
+        2) before anything is touched: a journal that cannot be written must stop an apply
+        before its first write, not after."""
+        ensure_writable_dir(self.state_dir, "state directory",
+                            "choose another with --state-dir DIR, before the command")
+        return self.state_dir
+
+    def check_state_dir(self) -> None:
+        """For commands that only read state: a state directory that is, or lies under, a
+        regular file is bad input (exit 2); one that does not exist yet simply holds nothing."""
+        from hwtune.errors import UsageError
+
+        for q in (self.state_dir, *self.state_dir.parents):
+            if q.exists():
+                if not q.is_dir():
+                    why = ("exists and is not a directory" if q == self.state_dir
+                           else f"Not a directory ({q} is a file)")
+                    raise UsageError(f"state directory {self.state_dir} cannot be created or written: {why}; "
+                                     "choose another with --state-dir DIR, before the command")
+                return
 
     def open_host(self, bios=None):
         """The host the hardware loop works on: simulated (--sim) or real (NVML + sysfs)."""

@@ -469,6 +469,8 @@ class Service:
         if self.host.read_only:
             self.log("read-only mode: watching only; nothing will be applied or restored")
         self._load_profile()
+        if self.state.profile is None and not self.once:
+            self.log("no profile configured (config key `profile`): watching telemetry only, nothing applied")
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -510,7 +512,12 @@ class Service:
             self.log(f"{exc}; `hwtune tune` will not see this daemon's profile")
         self.poll()
         if self.once:
-            self.log("--once: checked once, exiting with the settings in place")
+            if self.state.profile is None:
+                self.log("--once: no profile configured (a config with `profile: NAME`, e.g. "
+                         f"{self.config_path or '/etc/hwtune/hwtune.yaml'}): nothing applied or checked")
+            else:
+                self.log(f"--once: profile {self.state.profile_name} applied and checked once, "
+                         "exiting with the settings in place")
             return 0
         self.notifier.ready(status=self._status or "watching")
         return self._loop()

@@ -164,6 +164,45 @@ def _write_json(path: Path, data) -> None:
     statefile.write_json(path, data)
 
 
+def _write_yaml(path: Path, data: dict, comment: str) -> None:
+    import yaml
+
+    from hwtune.backends import write_text_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, f"{comment}\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+
+
+def _run_streaming(cmd, cwd, env, timeout_s: float, echo) -> tuple[int, str, str]:
+    """Run `cmd`, passing each stderr line to `echo` as it comes (a search's progress), and
+    return (exit code, stdout, stderr). TimeoutExpired after `timeout_s`, the child killed."""
+    import threading
+
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    err: list[str] = []
+
+    def read_err():
+        for line in p.stderr:
+            err.append(line)
+            echo(line.rstrip("\n"))
+
+    readers = [threading.Thread(target=lambda: out.append(p.stdout.read()), daemon=True),
+               threading.Thread(target=read_err, daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        rc = p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    finally:
+        for t in readers:
+            t.join(timeout=5)
+    return rc, "".join(out), "".join(err)
+
+
 def run_kernels(ctx, kernels, device: str, budget: str, log) -> list[dict]:
     """The inner loop at the chosen point: `hwtune search KERNEL` in a child process."""
     rows = []
@@ -178,18 +217,19 @@ def run_kernels(ctx, kernels, device: str, budget: str, log) -> list[dict]:
         env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
         t0 = time.monotonic()
         try:
-            p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+            rc, stdout, stderr = _run_streaming(cmd, root, env, timeout_s=1800,
+                                                echo=lambda line: log(f"  {kernel}: {line}"))
         except subprocess.TimeoutExpired:
             rows.append({"kernel": kernel, "device": device, "ok": False, "error": "timed out"})
             continue
-        row = {"kernel": kernel, "device": device, "ok": p.returncode == 0, "rc": p.returncode,
+        row = {"kernel": kernel, "device": device, "ok": rc == 0, "rc": rc,
                "seconds": round(time.monotonic() - t0, 1)}
         try:
-            row["result"] = json.loads(p.stdout) if p.stdout.strip() else None
+            row["result"] = json.loads(stdout) if stdout.strip() else None
         except ValueError:
             row["result"] = None
-        if p.returncode != 0:
-            row["error"] = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        if rc != 0:
+            row["error"] = (stderr.strip().splitlines() or ["(no output)"])[-1]
             log(f"kernel search {kernel}: failed ({row['error']})")
         rows.append(row)
     return rows
@@ -201,6 +241,8 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
 
     host = ctx.open_host()
     gpus = _select_gpus(host, opts.gpus)
+    if not host.read_only:
+        ctx.ensure_state_dir()  # bad input (exit 2), said before a word about tuning
     space = Space.from_host(host, gpus)
     objective = Objective(opts.objective, opts.floor)
     simulated = host.kind == "sim"
@@ -361,7 +403,8 @@ def _record(state_dir, report, result, kept, baseline, gpus, space, opts, source
         profile = {"description": f"kept by hwtune tune ({opts.objective}, {source})",
                    **({"include": [base_profile]} if base_profile else {}),
                    "gpu": kept.gpu_section(gpus, space.sm_clock_min_mhz)}
-        _write_json(tuned, profile)  # JSON is YAML
+        _write_yaml(tuned, profile, f"# {TUNED_PROFILE}: the point `hwtune tune` kept ({opts.objective}, "
+                                    f"{source}); `hwtune rollback` undoes it")
         report["tuned_profile"] = str(tuned)
     objective_value = None
     if best is not None and best.metrics:
@@ -401,16 +444,37 @@ def summary(report: dict) -> dict:
     return out
 
 
+def row_marks(report: dict) -> list[str]:
+    """The status shown per evaluation: a point measured fine but under the throughput floor
+    is not "ok" for an energy objective (it cannot be kept), so it says so."""
+    s = report.get("search") or {}
+    stock_tps = ((s.get("reference") or {}).get("metrics") or {}).get("tokens_per_s")
+    best = (s.get("best") or {}).get("label")
+    marks = []
+    for e in s.get("evaluations", []):
+        m = e.get("metrics") or {}
+        status = e["status"]
+        if e["status"] == "ok" and report.get("objective") == "energy" and stock_tps:
+            share = m.get("tokens_per_s", 0.0) / stock_tps
+            if share < report["floor"]:
+                status = f"below floor ({share:.1%} of stock tokens/s)"
+        if e["status"] == "ok" and e["label"] == best:
+            status += ", best"
+        marks.append(status)
+    return marks
+
+
 def format_table(report: dict) -> str:
     s = report.get("search") or {}
-    lines = [f"hwtune tune ({report['source']}, objective {report['objective']}, floor {report['floor']:.0%} "
-             f"of stock tokens/s, GPUs {report['gpus']})",
+    goal = (f"floor {report['floor']:.0%} of stock tokens/s" if report["objective"] == "energy"
+            else "most tokens/s")
+    lines = [f"hwtune tune ({report['source']}, objective {report['objective']}, {goal}, GPUs {report['gpus']})",
              f"{'#':>3}  {'point':28s} {'tokens/s':>10} {'tokens/J':>9} {'power W':>8}  status"]
-    for n, e in enumerate(s.get("evaluations", []), 1):
+    for n, (e, mark) in enumerate(zip(s.get("evaluations", []), row_marks(report)), 1):
         m = e.get("metrics") or {}
         lines.append(f"{n:>3}  {e['label']:28s} {m.get('tokens_per_s', float('nan')):10.1f} "
                      f"{m.get('tokens_per_j', float('nan')):9.3f} {m.get('power_w') or float('nan'):8.0f}  "
-                     f"{e['status']}")
+                     f"{mark}")
     sm = summary(report)
     if sm.get("tokens_per_j_vs_stock") is not None:
         lines.append(f"best: {sm['best']}: {sm['tokens_per_j_vs_stock']:.3f}x tokens/J, "

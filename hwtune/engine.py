@@ -233,6 +233,43 @@ def plan(host, profile, state_dir) -> list:
     return plan_report(host, profile, state_dir)[0]
 
 
+def unmatched(host, profile) -> list:
+    """What of the profile this host cannot check at all, one line per section, named: a
+    section whose devices matched nothing (no NVML, a select that names no function), a bios
+    section without a BMC reader, a profile that sets nothing. Nothing of these is read or
+    written, so no command may say the host matches them."""
+    if all(getattr(profile, s) is None for s in ("gpu", "pcie", "cpu", "bios")):
+        return [f"profile {profile.name} sets nothing (no gpu, pcie, cpu or bios section)"]
+    found: dict = {}   # section -> any target matched
+    errors: dict = {}  # section -> why its devices could not be listed
+    for cls in KNOBS.values():
+        knob = cls()
+        section = getattr(profile, knob.section)
+        if section is None:
+            continue
+        try:
+            targets = knob.targets(host, section)
+        except BadValue:
+            targets = [None]  # a select naming a missing GPU: plan's error, not "no device"
+        except HwtuneError as exc:
+            targets = []
+            errors.setdefault(knob.section, str(exc))
+        found[knob.section] = found.get(knob.section, False) or bool(targets)
+    out = []
+    for name in (n for n, any_target in found.items() if not any_target):
+        why = errors.get(name)
+        if why is None and name == "gpu":
+            why = host.gpu_error or "no GPUs found"
+            if not why.startswith("NVML unavailable"):
+                why = f"NVML unavailable: {why}" if host.gpu_error else why
+        elif why is None:
+            why = f"select {getattr(getattr(profile, name), 'select', None)}: no such device on this host"
+        out.append(f"{name}: no device matched ({why})")
+    if profile.bios is not None and profile.bios.expect and host.bios is None:
+        out.append("bios: not checked (no BIOS reader for this host)")
+    return out
+
+
 def bios_drift(host, profile) -> list:
     """BIOS is checked, never written: expected attributes that differ."""
     if profile.bios is None or not profile.bios.expect or host.bios is None:
@@ -354,7 +391,9 @@ def apply(host, profile, state_dir, log: Callable[[str], None] = _stderr, on_sig
             log(f"skip {line}")
         result = ApplyResult(skipped=list(skipped))
         if not changes:
-            log(f"nothing to change: the host already matches profile {profile.name}")
+            # Not "matches": BIOS drift, skipped knobs or sections that matched no device
+            # are the caller's to report (hwtune apply says whether the host matches).
+            log(f"nothing to write for profile {profile.name}")
             _stop_if_signalled(sig, "before any write; nothing was written")
             return result
         journal = Journal(state_dir)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 from pathlib import Path
 
@@ -50,8 +49,11 @@ def collect(device: str = "cuda", index: int = 0) -> dict:
                   capability=f"{props.major}.{props.minor}", cuda=torch.version.cuda or "unknown",
                   driver=_driver_version())
     else:
-        fp.update(device="cpu", cpu=_cpu_model(),
-                  interpreter=os.environ.get("TRITON_INTERPRET", "0") == "1")
+        # One CPU fingerprint whatever TRITON_INTERPRET says in this process: on a CPU a Triton
+        # kernel only ever runs under the interpreter (search sets it, bench's tuned variant
+        # needs it), so a table a search wrote is the table bench looks up. (The key stays, and
+        # true, so ids recorded by `search --device cpu` keep their value.)
+        fp.update(device="cpu", cpu=_cpu_model(), interpreter=True)
     return fp
 
 

@@ -60,6 +60,10 @@ def notes(doc: dict, base: dict | None) -> list[str]:
     out = [doc.get("fair_note", "")] if doc.get("fair_note") else []
     if doc.get("label") == "cpu":
         out.append("This run is on CPU (tiny model): it proves the pipeline, not GPU performance.")
+        if any(interpreted(doc, r) for r in doc.get("decode", []) + doc.get("prefill", [])):
+            out.append("Rows marked 'interpreter timing' ran Triton kernels under the interpreter "
+                       "(Python, program by program): they show the kernels run and agree with eager; "
+                       "they are not speeds, and slower than eager is expected there.")
     if base is None:
         return out
     if _virt(doc) and _virt(base):
@@ -80,6 +84,16 @@ def notes(doc: dict, base: dict | None) -> list[str]:
 
 def _fmt(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
+
+
+def interpreted(doc: dict, row: dict) -> bool:
+    """A CPU row that ran Triton kernels: under the interpreter, so a timing, not a speed."""
+    return doc.get("label") == "cpu" and any(not str(impl).startswith("stock")
+                                             for impl in (row.get("kernels") or {}).values())
+
+
+def _variant_label(doc: dict, row: dict, variant: str) -> str:
+    return f"{variant} (interpreter timing, not a speed)" if interpreted(doc, row) else variant
 
 
 def markdown(doc: dict, base: dict | None = None, png_name: str | None = "report.png") -> str:
@@ -103,7 +117,8 @@ def markdown(doc: dict, base: dict | None = None, png_name: str | None = "report
     for key in sorted(set(rows) | set(brows), key=lambda k: (k[0], k[2], k[3], k[1])):
         r, b = rows.get(key, {}), brows.get(key, {})
         ms = r.get("step_ms", r.get("time_ms"))
-        line = (f"| {key[0]} | {key[1]} | {key[2] or '-'} | {key[3] or '-'} | {_fmt(ms, '.3f')} | "
+        variant = _variant_label(doc, r, key[1])
+        line = (f"| {key[0]} | {variant} | {key[2] or '-'} | {key[3] or '-'} | {_fmt(ms, '.3f')} | "
                 f"{_fmt(r.get('tokens_per_s'), '.0f')} | {_fmt(r.get('tokens_per_j'))} | "
                 f"{_fmt(r.get('pct_of_floor'), '.0f')} |")
         if base is not None:
@@ -155,13 +170,25 @@ def markdown(doc: dict, base: dict | None = None, png_name: str | None = "report
 
 
 def plot(doc: dict, base: dict | None, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig = figure(doc, base)
+    path = Path(path)
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+    return path
+
+
+def figure(doc: dict, base: dict | None):
+    """The tokens/s bar chart as a matplotlib figure (the caller saves and closes it)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows, brows = _rows(doc), _rows(base or {})
     keys = sorted(set(rows) | set(brows), key=lambda k: (k[0], k[2], k[3], k[1]))
-    labels = [f"{k[0][:3]} {k[1]}\n{k[2]}x{k[3]}" if k[0] != "workload" else "workload" for k in keys]
+    labels = [f"{k[0][:3]} {k[1]}" + ("\n(interpreter)" if interpreted(doc, rows.get(k, {})) else "")
+              + f"\n{k[2]}x{k[3]}" if k[0] != "workload" else "workload" for k in keys]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(keys) + 2), 4.5))
     x = list(range(len(keys)))
     width = 0.4 if base is not None else 0.8
@@ -172,15 +199,20 @@ def plot(doc: dict, base: dict | None, path: Path) -> Path:
                width, label="baseline")
     ax.set_xticks(x)
     ax.set_xticklabels(labels, fontsize=7, rotation=45, ha="right")
-    ax.set_ylabel("tokens/s")
-    ax.set_yscale("log" if any(rows.get(k, {}).get("tokens_per_s") for k in keys) else "linear")
-    ax.set_title(f"hwtune bench: {(doc.get('model') or {}).get('name')} ({doc.get('label')})")
+    values = [v for k in keys for v in (rows.get(k, {}).get("tokens_per_s"), brows.get(k, {}).get("tokens_per_s")) if v]
+    # Bars start at zero, so that a difference looks as big as it is; only when values span
+    # more than 20x (a CPU's interpreter next to eager) the axis goes log, and says so.
+    if values and max(values) / min(values) > 20:
+        ax.set_yscale("log")
+        ax.set_ylabel("tokens/s (log scale)")
+    else:
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("tokens/s")
+    ax.set_title(f"hwtune bench: {(doc.get('model') or {}).get('name')} ({doc.get('label')})"
+                 + (": a pipeline check, not speeds" if doc.get("label") == "cpu" else ""))
     ax.legend()
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def write_report(doc: dict, base: dict | None, out_dir: Path) -> dict:

@@ -6,16 +6,18 @@ never sets anything.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+from daemon.device import DEVICE_HELP, resolve_device
 from hwtune.errors import UsageError
 
 
 def add_bench_arguments(p) -> None:
     m = p.add_argument_group("built-in model")
-    m.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    m.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help=DEVICE_HELP)
     m.add_argument("--preset", choices=["tiny", "llama3-8b-8l"], default=None,
                    help="model size (default llama3-8b-8l on CUDA, tiny on CPU)")
     m.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
@@ -28,7 +30,7 @@ def add_bench_arguments(p) -> None:
     m.add_argument("--variants", default="eager,graphed,compile,tuned",
                    help="comma list of eager, graphed, compile, tuned")
     m.add_argument("--steps", type=int, default=50, help="timed decode steps (median; >= 20)")
-    m.add_argument("--warmup", type=int, default=10)
+    m.add_argument("--warmup", type=int, default=10, help="untimed decode steps before the timed ones")
     m.add_argument("--energy-window-s", type=float, default=2.0,
                    help="NVML energy window per measurement (>= 2 s; 0 skips energy)")
     m.add_argument("--budget-s", type=float, default=270.0,
@@ -37,14 +39,14 @@ def add_bench_arguments(p) -> None:
                    help="dispatch table (default STATE_DIR/dispatch/<fingerprint-id>.json)")
     m.add_argument("--quick-pick", type=int, default=8,
                    help="without a table: template configs tried per op at decode shapes")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=int, default=0, help="seed of the model weights and tokens")
     w = p.add_argument_group("your workload instead of the built-in model")
     # dest differs from "command": the CLI keeps the subcommand's name there.
     w.add_argument("--command", dest="workload_command", default=None, metavar="CMD",
                    help="run CMD (no shell; split like a shell would) and read its metric")
     w.add_argument("--metric-regex", default=None,
                    help=r"regex whose first group is the metric (default tokens/s[:=]\s*([0-9.]+))")
-    w.add_argument("--command-timeout-s", type=float, default=None)
+    w.add_argument("--command-timeout-s", type=float, default=None, help="stop CMD after this many seconds (default none)")
     o = p.add_argument_group("output")
     o.add_argument("--baseline", type=Path, default=None, metavar="FILE",
                    help="results JSON of an earlier run (e.g. a cloud VM) to compare with")
@@ -65,9 +67,23 @@ def _load_json(path: Path, what: str) -> dict:
 
 
 def run_bench(args, ctx) -> int:
+    from daemon.context import ensure_writable_dir
+
     if args.steps < 20:
         raise UsageError(f"--steps {args.steps}: at least 20 steps for a median")
     baseline = _load_json(args.baseline, "--baseline") if args.baseline else None
+    out_dir = args.out
+    if out_dir is None and baseline is not None:
+        out_dir = Path(ctx.state_dir) / "bench" / time.strftime("%Y%m%d-%H%M%S")
+    if not args.from_results:
+        args.device = resolve_device(args.device)
+        if args.device == "cpu" and not args.workload_command:
+            # The tuned variant runs Triton kernels, on a CPU only under the interpreter: the
+            # same as `hwtune search --device cpu`, so the table a search wrote is used here.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    if out_dir is not None:  # before measuring: minutes of work must not end in "cannot write"
+        ensure_writable_dir(out_dir, "--out" if args.out else "report directory",
+                            "choose another with --out DIR")
     if args.from_results:
         doc = _load_json(args.from_results, "--from-results")
     else:
@@ -77,12 +93,8 @@ def run_bench(args, ctx) -> int:
         doc["baseline"] = {"path": str(args.baseline), "label": baseline.get("label"),
                            "created": baseline.get("created")}
 
-    out_dir = args.out
-    if out_dir is None and baseline is not None:
-        out_dir = Path(ctx.state_dir) / "bench" / time.strftime("%Y%m%d-%H%M%S")
     if out_dir is not None:
         from daemon.bench.report import write_report
-        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
         paths = write_report(doc, baseline, out_dir)
         print(f"hwtune bench: wrote {out_dir / 'results.json'}, {paths['markdown']}, {paths['png']}",

@@ -78,6 +78,7 @@ def _load(args, ctx):
     """Profile first (bad input exits 2 before anything is opened), then the host."""
     from hwtune import profiles
 
+    ctx.check_state_dir()
     profile = profiles.load(_profile_name(args, ctx), ctx.profile_dir)
     host = ctx.open_host(bios=_bios_backend(profile, ctx))
     if host.kind == "sim":
@@ -155,6 +156,7 @@ def _print_status(s: dict, sim_path=None) -> None:
 def run_status(args, ctx) -> int:
     from hwtune import engine
 
+    ctx.check_state_dir()
     host = ctx.open_host()
     s = engine.status(host, ctx.state_dir)
     if args.json:
@@ -170,16 +172,23 @@ def add_plan_arguments(p) -> None:
     _add_json(p)
 
 
+def _bios(engine, host, profile) -> tuple:
+    """(BIOS drift, None) or ([], why the BMC could not be read)."""
+    try:
+        return engine.bios_drift(host, profile), None
+    except Exception as exc:  # a BMC that does not answer is a fact to report, not a crash
+        return [], f"bios: not checked ({exc})"
+
+
 def run_plan(args, ctx) -> int:
     from hwtune import engine
 
     profile, host = _load(args, ctx)
+    unmatched = engine.unmatched(host, profile)
     changes, skipped = engine.plan_report(host, profile, ctx.state_dir)
-    bios = []
-    try:
-        bios = engine.bios_drift(host, profile)
-    except Exception as exc:
-        skipped.append(f"bios: {exc}")
+    bios, bios_error = _bios(engine, host, profile)
+    if bios_error:
+        skipped.append(bios_error)
     try:
         pending = engine.pending_journal(ctx.state_dir)
     except HwtuneError as exc:  # a damaged or untrusted journal: plan still answers, and says so
@@ -187,14 +196,17 @@ def run_plan(args, ctx) -> int:
         pending = True
     if args.json:
         _emit({"profile": profile.name, "source": profile.source, "changes": [c.to_json() for c in changes],
-               "skipped": skipped, "bios_drift": [c.to_json() for c in bios],
+               "skipped": skipped, "unmatched": unmatched, "bios_drift": [c.to_json() for c in bios],
                "pending_journal": pending is not None})
         return 0
+    for line in unmatched:
+        _log(f"warning: {line}")
     for line in skipped:
         _log(f"skip {line}")
     if pending is not None:
         _log("note: an interrupted apply left a journal; apply will refuse until `hwtune rollback`")
-    print(f"profile {profile.name} ({profile.source}): {len(changes)} change(s)")
+    print(f"profile {profile.name} ({profile.source}): {len(changes)} change(s)"
+          + (f", {len(unmatched)} warning(s) (nothing of those is checked or written)" if unmatched else ""))
     for c in changes:
         print(f"  {c}")
     for c in bios:
@@ -212,19 +224,33 @@ def run_apply(args, ctx) -> int:
     from hwtune import engine
 
     profile, host = _load(args, ctx)
+    unmatched = engine.unmatched(host, profile)
+    if not host.read_only:
+        ctx.ensure_state_dir()
+    for line in unmatched:
+        _log(f"warning: {line}")
     result = engine.apply(host, profile, ctx.state_dir, _log)
+    bios, bios_error = _bios(engine, host, profile)
     try:
-        for c in engine.bios_drift(host, profile):
+        for c in bios:
             _log(f"bios drift (not written): {c}")
-    except Exception as exc:
-        try:
-            _log(f"bios: {exc}")
-        except (OSError, ValueError):
-            pass
+        if bios_error:
+            _log(bios_error)
+    except (OSError, ValueError):
+        pass
     if args.json:
-        _after_writes(json.dumps({"profile": profile.name, **result.to_json()}, indent=2) + "\n")
-    else:
-        _after_writes(f"applied {profile.name}: {len(result.changed)} change(s), {len(result.skipped)} skipped\n")
+        _after_writes(json.dumps({"profile": profile.name, **result.to_json(), "unmatched": unmatched,
+                                  "bios_drift": [c.to_json() for c in bios]}, indent=2) + "\n")
+        return 0
+    parts = [f"{len(result.changed)} change(s)", f"{len(result.skipped)} skipped"]
+    if unmatched:
+        parts.append(f"{len(unmatched)} warning(s)")
+    if bios or bios_error:
+        parts.append(f"BIOS {'not checked' if bios_error else f'differs in {len(bios)} attribute(s)'} (never written)")
+    text = f"applied {profile.name}: {', '.join(parts)}"
+    if not (result.changed or result.skipped or unmatched or bios or bios_error):
+        text = f"applied {profile.name}: 0 change(s): the host already matches {profile.name}"
+    _after_writes(text + "\n")
     return 0
 
 
@@ -235,19 +261,30 @@ def add_verify_arguments(p) -> None:
 
 
 def run_verify(args, ctx) -> int:
+    """Exit 0 only when everything the profile sets was read and has its value: a section that
+    matched no device, an unreadable knob or an unreadable BMC is a failure, named."""
     from hwtune import engine
 
     profile, host = _load(args, ctx)
-    drift = engine.verify(host, profile, ctx.state_dir)
+    unchecked = engine.unmatched(host, profile)
+    changes, skipped = engine.plan_report(host, profile, ctx.state_dir)
+    bios, bios_error = _bios(engine, host, profile)
+    drift = changes + bios
+    unchecked += skipped + ([bios_error] if bios_error else [])
     if args.json:
-        _emit({"profile": profile.name, "matches": not drift, "drift": [c.to_json() for c in drift]})
-    elif drift:
-        print(f"drift from {profile.name}: {len(drift)}")
+        _emit({"profile": profile.name, "matches": not drift and not unchecked,
+               "drift": [c.to_json() for c in drift], "not_checked": unchecked})
+    elif drift or unchecked:
+        head = [f"{len(drift)} setting(s) differ"] if drift else []
+        head += [f"{len(unchecked)} not checked"] if unchecked else []
+        print(f"host does not match {profile.name}: {', '.join(head)}")
         for c in drift:
             print(f"  {c.target} {c.knob}: is {c.old}, profile wants {c.new}")
+        for line in unchecked:
+            print(f"  not checked: {line}")
     else:
         print(f"host matches {profile.name}")
-    return 1 if drift else 0
+    return 1 if drift or unchecked else 0
 
 
 # --- rollback ----------------------------------------------------------------------------
@@ -258,6 +295,7 @@ def add_rollback_arguments(p) -> None:
 def run_rollback(args, ctx) -> int:
     from hwtune import engine
 
+    ctx.check_state_dir()
     host = ctx.open_host()
     restored = engine.rollback(host, ctx.state_dir, _log)
     if args.json:

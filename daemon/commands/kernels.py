@@ -11,14 +11,15 @@ import math
 import sys
 from pathlib import Path
 
+from daemon.device import DEVICE_HELP, resolve_device
 from hwtune.errors import UsageError
 
 
 def add_check_kernel_arguments(p) -> None:
     p.add_argument("kernel", help="spec name: rmsnorm, add_rmsnorm, softmax, matmul, decode_attention")
     p.add_argument("file", type=Path, help="candidate Triton file defining launch(...)")
-    p.add_argument("--device", default="cpu",
-                   help="cpu (Triton interpreter, reduced sweep) or cuda / cuda:N (default cpu)")
+    p.add_argument("--device", default="auto",
+                   help=f"{DEVICE_HELP}; cpu: reduced sweep; or cuda:N")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.add_argument("--params", default=None, metavar="JSON",
                    help="launch parameters as a JSON object (default: the file's CONFIGS[0])")
@@ -62,8 +63,7 @@ def run_check_kernel(args, ctx) -> int:
         raise UsageError(f"unknown kernel {args.kernel!r}: expected one of {', '.join(SPECS)}")
     if not args.file.is_file():
         raise UsageError(f"{args.file}: no such file")
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
-        raise UsageError(f"--device {args.device}: expected cpu or cuda[:N]")
+    device = resolve_device(args.device)
     if args.dtype is not None and args.dtype not in DTYPES:
         raise UsageError(f"--dtype {args.dtype}: expected one of {', '.join(DTYPES)}")
     params = None
@@ -74,7 +74,7 @@ def run_check_kernel(args, ctx) -> int:
             raise UsageError(f"--params: not JSON ({exc})") from None
         if not isinstance(params, dict):
             raise UsageError("--params: expected a JSON object")
-    verdict = evaluate(args.kernel, args.file, params=params, device=args.device, dtype=args.dtype,
+    verdict = evaluate(args.kernel, args.file, params=params, device=device, dtype=args.dtype,
                        timeout_s=args.timeout, time_it=not args.no_time)
     if args.json:
         json.dump(verdict.to_json(), sys.stdout, indent=2)

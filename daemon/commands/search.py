@@ -10,6 +10,7 @@ import math
 import sys
 from pathlib import Path
 
+from daemon.device import DEVICE_HELP, resolve_device
 from hwtune.errors import UsageError
 
 STRATEGIES = ("grid", "random", "optuna", "evolution", "agent")
@@ -28,22 +29,23 @@ def _shape(text: str) -> dict:
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("kernel", help="rmsnorm, add_rmsnorm, softmax, matmul, decode_attention")
-    p.add_argument("--strategy", choices=STRATEGIES, default="grid")
+    p.add_argument("--strategy", choices=STRATEGIES, default="grid",
+                   help="how candidates are proposed (agent: an external command, see --agent-command)")
     p.add_argument("--budget", default="medium",
                    help="points per shape (agent: rounds): a number or small|medium|large|all")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda",
-                   help="cpu: Triton interpreter, reduced shapes, times are not speeds")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help=f"{DEVICE_HELP}; cpu: reduced shapes, times check the loop and are not speeds")
     p.add_argument("--dtype", default=None, help="override the spec's dtype for every shape")
     p.add_argument("--shape", type=_shape, action="append", default=None,
                    help="search only this shape (repeatable), e.g. M=4096,N=4096")
     p.add_argument("--resume", action="store_true",
                    help="skip (kernel, shape, candidate) already in the ledger for this device and code")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of random, optuna and evolution")
     p.add_argument("--timeout-s", type=float, default=None, help="per harness request (default: harness's)")
     p.add_argument("--source", type=Path, default=None, help="search this template file instead of the built-in")
     p.add_argument("--agent-command", default=None,
                    help="agent proposer command (split like a shell, run without one); {workdir} is substituted")
-    p.add_argument("--agent-timeout-s", type=float, default=900.0)
+    p.add_argument("--agent-timeout-s", type=float, default=900.0, help="limit per agent round, seconds")
     p.add_argument("--agent-user", default=None, help="run the agent as this user when hwtune runs as root "
                         "(default: the config's agent_user, nobody)")
     p.add_argument("--model-family", choices=("llama", "deepseek", "all"), default="llama",
@@ -118,12 +120,17 @@ def run_search(args, ctx) -> int:
     try:
         budget = parse_budget(args.budget)
     except ValueError:
-        raise UsageError(f"--budget {args.budget!r}: a number or small|medium|large|all") from None
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda: torch sees no CUDA GPU (use --device cpu for the interpreter)")
+        budget = 0
+    if budget < 1:
+        raise UsageError(f"--budget {args.budget!r}: a positive number or small|medium|large|all")
+    spec = SPECS[args.kernel]
+    for shape in args.shape or []:
+        problem = spec.valid_shape({k: v for k, v in shape.items() if k != "dtype"})
+        if problem:
+            text = ",".join(f"{k}={v}" for k, v in shape.items())
+            raise UsageError(f"--shape {text}: {problem}")
+    device = resolve_device(args.device)
+    ctx.ensure_state_dir()
     agent = None
     if args.strategy == "agent":
         if not args.agent_command:
@@ -135,13 +142,13 @@ def run_search(args, ctx) -> int:
     from kernelsearch.pool import ExecutorError, open_executor
 
     try:
-        scale_out = open_executor(args.executor, device=args.device, workers=args.workers,
+        scale_out = open_executor(args.executor, device=device, workers=args.workers,
                                   ray_address=args.ray_address)
     except ExecutorError as exc:
         raise UsageError(str(exc)) from None
     with scale_out as executor:
         result = search(args.kernel, state_dir=ctx.state_dir, strategy=args.strategy, budget=budget,
-                        device=args.device, dtype=args.dtype, shapes=args.shape, resume=args.resume,
+                        device=device, dtype=args.dtype, shapes=args.shape, resume=args.resume,
                         seed=args.seed, ledger_path=args.ledger, dispatch_path=args.dispatch_out,
                         timeout_s=args.timeout_s, source_path=args.source, agent=agent, executor=executor,
                         progress=lambda line: print(line, file=sys.stderr, flush=True))

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from daemon.device import DEVICE_HELP, resolve_device
 from hwtune.errors import UsageError
 
 
@@ -24,12 +25,13 @@ def add_share_arguments(p) -> None:
                           "winners go into this host's table marked imported_from)")
     imp.add_argument("--json", action="store_true", help="one JSON document on stdout")
     for q in (exp, imp):
-        q.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                       help="whose fingerprint is 'this host' (cpu: the Triton interpreter's)")
+        q.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                       help=f"whose fingerprint is 'this host': {DEVICE_HELP}")
         q.add_argument("--ledger", type=Path, default=None, help="SQLite ledger (default STATE_DIR/ledger.sqlite)")
 
 
 def _local_fingerprint(device: str) -> dict:
+    device = resolve_device(device)
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # as `hwtune search --device cpu` measures
     from kernelsearch.fingerprint import collect
@@ -42,7 +44,13 @@ def run_share(args, ctx) -> int:
     from kernelsearch.fingerprint import fingerprint_id
 
     if args.share_command == "export":
+        if args.kernel is not None:
+            from kernelsearch.specs import SPECS
+
+            if args.kernel not in SPECS:
+                raise UsageError(f"--kernel {args.kernel}: no such kernel (known: {', '.join(SPECS)})")
         local = None if args.fingerprint else _local_fingerprint(args.device)
+        ctx.ensure_state_dir()  # the ledger lives there (opening it creates it)
         fp_id = args.fingerprint or fingerprint_id(local)
         try:
             bundle = share.export_bundle(ctx.state_dir, fp_id, fingerprint=local, ledger_path=args.ledger,
@@ -68,10 +76,17 @@ def run_share(args, ctx) -> int:
         raise UsageError(f"{args.bundle}: {exc.strerror}") from None
     except ValueError as exc:
         raise UsageError(f"{args.bundle}: not JSON ({exc})") from None
+    local = _local_fingerprint(args.device)
+    ctx.ensure_state_dir()
     try:
-        report = share.import_bundle(bundle, ctx.state_dir, _local_fingerprint(args.device),
-                                     ledger_path=args.ledger, force=args.force)
-    except (share.FingerprintMismatch, share.BadBundle) as exc:
+        report = share.import_bundle(bundle, ctx.state_dir, local, ledger_path=args.ledger, force=args.force)
+    except share.FingerprintMismatch as exc:
+        theirs = (bundle.get("fingerprint") or {}).get("device") if isinstance(bundle, dict) else None
+        hint = ""
+        if theirs == "cpu" and local.get("device") != "cpu":
+            hint = " -- the bundle holds Triton-interpreter (CPU) results: import them with --device cpu"
+        raise UsageError(f"{args.bundle}: {exc}{hint}") from None
+    except share.BadBundle as exc:
         raise UsageError(f"{args.bundle}: {exc}") from None
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))

@@ -37,10 +37,33 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
 
+def _check_inputs(args, kernels: tuple) -> None:
+    """Everything the cycle would find wrong only after the hardware loop ran, found now."""
+    import difflib
+    import re
+
+    from hwtune.errors import UsageError
+    from kernelsearch.kernels import TEMPLATES
+
+    if args.budget < 1:
+        raise UsageError(f"--budget {args.budget}: at least 1 hardware point (the stock point is the first)")
+    if not 0 < args.floor <= 1:
+        raise UsageError(f"--floor {args.floor}: a fraction of stock tokens/s in (0, 1], e.g. 0.98")
+    for k in kernels:
+        if k not in TEMPLATES:
+            near = difflib.get_close_matches(k, TEMPLATES, n=1)
+            raise UsageError(f"--kernels {k}: no such kernel"
+                             + (f"; did you mean {near[0]}?" if near else "")
+                             + f" (known: {', '.join(TEMPLATES)})")
+    if not re.fullmatch(r"[1-9][0-9]*|small|medium|large|all", args.kernel_budget):
+        raise UsageError(f"--kernel-budget {args.kernel_budget!r}: a positive number or small|medium|large|all")
+
+
 def run_tune(args, ctx) -> int:
     from daemon.tune import TuneOptions, format_table, summary, tune
 
     kernels = () if args.no_kernels else tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+    _check_inputs(args, kernels)
     opts = TuneOptions(objective=args.objective, floor=args.floor, budget=args.budget,
                        exhaustive=args.exhaustive, workload=args.workload, kernels=kernels,
                        kernel_budget=args.kernel_budget, keep=args.keep, gpus=args.gpus, nightly=args.nightly)

@@ -42,3 +42,15 @@ def write_json_atomic(path: Path, data) -> None:
     except OSError:
         mode = 0o644
     write_json(path, data, mode)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """write_json_atomic for text that is not JSON (a YAML profile): same mkstemp + rename."""
+    from hwtune.statefile import write_bytes
+
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:
+        mode = 0o644
+    write_bytes(path, text.encode("utf-8"), mode)

@@ -42,7 +42,14 @@ DEFAULT_DEVCTL = (2 << 12) | (1 << 11) | (1 << 8) | (1 << 5)
 CSTATES = [("POLL", 0), ("C1", 2), ("C1E", 10), ("C6", 133)]
 
 
-def new_host(gpus: int = 8, cpus: int = 8) -> dict:
+DEFAULT_GPUS = 2  # `hwtune sim init` and `hwtune demo` agree on it
+DEFAULT_CPUS = 8
+# Keys whose value may be null besides their type: a lock that is not set, a reading not reported.
+NULLABLE = {"locked_sm_clocks_mhz", "locked_memory_clocks_mhz", "temperature_c", "power_w", "sm_clock_mhz",
+            "memory_clock_mhz", "clock_event_reasons", "energy_mj", "xid_errors"}
+
+
+def new_host(gpus: int = DEFAULT_GPUS, cpus: int = DEFAULT_CPUS) -> dict:
     """An H200-like node: GPUs with their PCIe functions, one Mellanox NIC, CPUs, BIOS."""
     if gpus < 1:
         raise UsageError(f"--gpus {gpus}: need at least 1")
@@ -82,8 +89,51 @@ def new_host(gpus: int = 8, cpus: int = 8) -> dict:
     return host
 
 
-def set_dotted(data, dotted: str, value) -> None:
-    """`gpus.0.telemetry.temperature_c` -> data["gpus"][0]["telemetry"]["temperature_c"] = value."""
+def _kind(value) -> str:
+    if isinstance(value, bool):
+        return "true/false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a section"
+    return "null"
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_value(dotted: str, key: str, old, new) -> None:
+    """The new value has the old one's type (a number stays a number: `temperature_c=hot` is
+    refused); a list of numbers stays one; null only where the sim reads null."""
+    if new is None and (old is None or key in NULLABLE):
+        return
+    if old is None:
+        if key in ("locked_sm_clocks_mhz", "locked_memory_clocks_mhz") and not (
+                isinstance(new, list) and len(new) == 2 and all(_kind(v) == "a number" for v in new)):
+            raise UsageError(f"{dotted}={json.dumps(new)}: expected [min_mhz, max_mhz] or null")
+        return
+    if _kind(new) != _kind(old):
+        raise UsageError(f"{dotted}={json.dumps(new)}: expected {_kind(old)}{' or null' if key in NULLABLE else ''}"
+                         f" (now {_short(old)})")
+    if isinstance(old, list) and old and all(_kind(v) == "a number" for v in old):
+        if not all(_kind(v) == "a number" for v in new):
+            raise UsageError(f"{dotted}={json.dumps(new)}: expected a list of numbers")
+
+
+def set_dotted(data, dotted: str, value, raw: str | None = None) -> None:
+    """`gpus.0.telemetry.temperature_c` -> data["gpus"][0]["telemetry"]["temperature_c"] = value.
+
+    Only keys the file already has, each with a value of its type: a typo must not add a key
+    nothing reads. BIOS attribute names are the BMC's own, so `bios.NAME` may be new (text).
+    `raw`: the text as typed, used where the key holds text (`bios.X=1` is the text "1")."""
+    import difflib
+
     parts = dotted.split(".")
     node = data
     for n, part in enumerate(parts):
@@ -93,16 +143,26 @@ def set_dotted(data, dotted: str, value) -> None:
                 idx = int(part)
                 node[idx]
             except (ValueError, IndexError):
-                raise UsageError(f"{dotted}: {'.'.join(parts[:n])} has no element {part!r}") from None
+                raise UsageError(f"{dotted}: {'.'.join(parts[:n])} has no element {part!r}"
+                                 f" (0..{len(node) - 1})") from None
             if last:
+                _check_value(dotted, parts[n - 1] if n else part, node[idx], value)
                 node[idx] = value
             else:
                 node = node[idx]
         elif isinstance(node, dict):
+            if last and raw is not None and (isinstance(node.get(part), str)
+                                              or (parts[:n] == ["bios"] and part not in node)):
+                value = raw
+            if part not in node and not (last and parts[:n] == ["bios"] and isinstance(value, str)):
+                near = difflib.get_close_matches(part, [str(k) for k in node], n=1)
+                where = ".".join(parts[:n]) or "the top level"
+                raise UsageError(f"{dotted}: no key {part!r} in {where}"
+                                 + (f"; did you mean {'.'.join(parts[:n] + near)}?" if near else
+                                    f" (keys: {', '.join(map(str, node))})"))
             if last:
+                _check_value(dotted, part, node.get(part), value)
                 node[part] = value
-            elif part not in node:
-                raise UsageError(f"{dotted}: no key {'.'.join(parts[:n + 1])!r}")
             else:
                 node = node[part]
         else:

@@ -1,0 +1,203 @@
+"""Bad input is one line on stderr and exit 2, before anything is touched (issue 11): each case
+through the real CLI in a child process; the first line of the message asserted, never a
+traceback, and where something could have been written, proof that nothing was."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_hwtune
+from fixtures.simhost import make_sim
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def one_line(proc, prefix: str) -> str:
+    """The whole of stderr is one line that starts with `prefix`; exit 2; no traceback."""
+    text = proc.stdout + proc.stderr
+    assert "Traceback" not in text, text
+    assert proc.returncode == 2, (proc.returncode, text)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("simulated host ")]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(prefix), lines[0]
+    return lines[0]
+
+
+def _immutable_dir(tmp_path):
+    d = tmp_path / "immutable"
+    d.mkdir()
+    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode != 0:
+        return None
+    return d
+
+
+@pytest.fixture
+def bad_state_dirs(tmp_path):
+    """State directories that cannot be created: under /proc, under a regular file, inside an
+    immutable directory (where chattr works)."""
+    regular = tmp_path / "regular-file"
+    regular.write_text("not a directory\n")
+    dirs = [("/proc/hwtune-state", "No such file or directory"), (regular / "state", "Not a directory"),
+            (regular, "exists and is not a directory")]
+    imm = _immutable_dir(tmp_path)
+    if imm is not None:
+        dirs.append((imm / "state", "Operation not permitted"))
+    yield dirs
+    if imm is not None:
+        subprocess.run(["chattr", "-i", str(imm)])
+
+
+def test_a_state_dir_that_cannot_be_created_is_one_line_and_exit_2_before_any_write(tmp_path, bad_state_dirs):
+    sim = make_sim(tmp_path)
+    before = sim.read_bytes()
+    commands = [("apply", "-p", "throughput"), ("tune", "--no-kernels"),
+                ("search", "rmsnorm", "--device", "cpu", "--budget", "1"), ("daemon", "--once")]
+    for state, reason in bad_state_dirs:
+        for command in commands:
+            proc = run_hwtune("--sim", sim, "--state-dir", state, *command, timeout=120)
+            line = one_line(proc, f"hwtune {command[0]}: state directory {state} cannot be created or written: ")
+            assert reason in line and "--state-dir" in line
+        init = run_hwtune("--state-dir", state, "sim", "init", tmp_path / "other.json")
+        one_line(init, f"hwtune sim: state directory {state} cannot be created or written: ")
+        assert not (tmp_path / "other.json").exists()
+    assert sim.read_bytes() == before  # not one setting written
+
+
+def test_commands_that_only_read_state_refuse_a_state_dir_under_a_regular_file(tmp_path):
+    sim = make_sim(tmp_path)
+    regular = tmp_path / "regular-file"
+    regular.write_text("x")
+    for state in (regular, regular / "state"):
+        for command in (("status",), ("plan", "-p", "throughput"), ("verify", "-p", "throughput"), ("rollback",),
+                        ("share", "export")):
+            proc = run_hwtune("--sim", sim, "--state-dir", state, *command, timeout=120)
+            one_line(proc, f"hwtune {command[0]}: state directory {state}")
+    # a state directory that does not exist yet holds nothing: reading it is fine
+    assert run_hwtune("--sim", sim, "--state-dir", "/proc/hwtune-none", "status").returncode == 0
+
+
+def test_sim_init_into_a_place_that_cannot_hold_the_file_is_one_line(tmp_path):
+    regular = tmp_path / "f"
+    regular.write_text("x")
+    for target in ("/proc/hwtune-sim/host.json", regular / "host.json"):
+        one_line(run_hwtune("sim", "init", target), "hwtune sim: directory ")
+
+
+def test_bench_out_that_cannot_be_written_is_refused_before_measuring(tmp_path):
+    regular = tmp_path / "f"
+    regular.write_text("x")
+    for out in ("/proc/hwtune-bench", regular / "bench"):
+        proc = run_hwtune("bench", "--device", "cpu", "--out", out, timeout=120)
+        one_line(proc, f"hwtune bench: --out {out} cannot be created or written: ")
+        assert "decode" not in proc.stderr  # nothing was measured first
+
+
+@pytest.mark.skipif(_has_cuda(), reason="this host has a GPU")
+def test_device_cuda_without_a_gpu_is_an_environment_error_exit_2(tmp_path):
+    honest = ROOT / "kernelsearch" / "kernels" / "rmsnorm.py"
+    cases = [("bench", "--device", "cuda"), ("check-kernel", "rmsnorm", honest, "--device", "cuda"),
+             ("search", "rmsnorm", "--device", "cuda"), ("share", "export", "--device", "cuda")]
+    for args in cases:
+        proc = run_hwtune("--state-dir", tmp_path / "state", *args, timeout=120)
+        line = one_line(proc, f"hwtune {args[0]}: --device cuda: torch sees no CUDA GPU on this host")
+        assert "REJECTED" not in line and "--device cpu" in line
+    assert not (tmp_path / "state").exists()
+
+
+@pytest.mark.parametrize("shape,why", [("M=2", "rmsnorm shapes have dims M, N (got M)"),
+                                       ("Q=1", "rmsnorm shapes have dims M, N (got Q)"),
+                                       ("M=0,N=8", "M must be positive"),
+                                       ("M=x", "shape 'M=x': expected")])
+def test_search_shape_with_the_wrong_dims_is_a_usage_error(tmp_path, shape, why):
+    proc = run_hwtune("--state-dir", tmp_path / "state", "search", "rmsnorm", "--device", "cpu", "--shape", shape)
+    line = one_line(proc, "hwtune search: ")
+    assert why in line
+    assert not (tmp_path / "state").exists()
+
+
+def test_tune_kernels_and_budget_are_checked_before_the_hardware_loop(tmp_path):
+    sim = make_sim(tmp_path)
+    before = sim.read_bytes()
+    line = one_line(run_hwtune("--sim", sim, "tune", "--kernels", "rmsnrm"), "hwtune tune: --kernels rmsnrm: no such kernel")
+    assert "did you mean rmsnorm?" in line
+    one_line(run_hwtune("--sim", sim, "tune", "--budget", "0"), "hwtune tune: --budget 0: at least 1")
+    one_line(run_hwtune("--sim", sim, "tune", "--kernel-budget", "0"), "hwtune tune: --kernel-budget '0'")
+    one_line(run_hwtune("--sim", sim, "tune", "--floor", "1.5"), "hwtune tune: --floor 1.5")
+    assert sim.read_bytes() == before
+    assert not (tmp_path / "host.json.state" / "journal.json").exists()
+
+
+@pytest.mark.parametrize("assignment,first", [
+    ("gpus.0.telemetry.temperature_c=hot", 'hwtune sim: gpus.0.telemetry.temperature_c="hot": expected a number'),
+    ("gpus.0.telemetry.temprature_c=90", "hwtune sim: gpus.0.telemetry.temprature_c: no key 'temprature_c'"),
+    ("nosuchkey=1", "hwtune sim: nosuchkey: no key 'nosuchkey' in the top level"),
+    ("gpus.0.persistence_mode=1", "hwtune sim: gpus.0.persistence_mode=1: expected true/false"),
+    ("gpus.0.locked_sm_clocks_mhz=5", "hwtune sim: gpus.0.locked_sm_clocks_mhz=5: expected [min_mhz, max_mhz]"),
+    ("gpus.7.power_limit_w=500", "hwtune sim: gpus.7.power_limit_w: gpus has no element '7'"),
+])
+def test_sim_set_refuses_an_unknown_key_or_a_wrong_type_and_writes_nothing(tmp_path, assignment, first):
+    sim = make_sim(tmp_path)
+    before = sim.read_bytes()
+    # a valid assignment first: the refused one must take it down too (all or nothing)
+    one_line(run_hwtune("sim", "set", sim, "write_delay_ms=5", assignment), first)
+    assert sim.read_bytes() == before
+
+
+def test_sim_set_still_takes_values_of_the_right_type(tmp_path):
+    sim = make_sim(tmp_path)
+    run_hwtune("sim", "set", sim, "gpus.1.telemetry.temperature_c=95", "gpus.0.locked_sm_clocks_mhz=[1410, 1980]",
+               "bios.PowerProfile=MaxPerf", "bios.VendorKnob=1", "write_delay_ms=2.5",
+               'faults=[{"op": "set_power_limit", "gpu": 1, "error": "NoPermission"}]', check=True)
+    data = json.loads(sim.read_text())
+    assert data["gpus"][1]["telemetry"]["temperature_c"] == 95
+    assert data["gpus"][0]["locked_sm_clocks_mhz"] == [1410, 1980]
+    assert data["bios"]["PowerProfile"] == "MaxPerf" and data["bios"]["VendorKnob"] == "1"
+    status = run_hwtune("--sim", sim, "status", check=True).stdout
+    assert "95 C" in status
+
+
+def test_share_export_of_an_unknown_kernel_is_a_usage_error(tmp_path):
+    out = tmp_path / "bundle.json"
+    line = one_line(run_hwtune("--state-dir", tmp_path, "share", "export", "--kernel", "rmsnrm", "-o", out),
+                    "hwtune share: --kernel rmsnrm: no such kernel")
+    assert "rmsnorm" in line and not out.exists()
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (("status", "--sim", "{sim}"), "hwtune status: --sim is a global option: global options go before the command: "
+                                   "hwtune --sim {sim} status"),
+    (("plan", "-p", "throughput", "--read-only"), "hwtune plan: --read-only is a global option"),
+    (("status", "--state-dir={sim}.s"), "hwtune status: --state-dir={sim}.s is a global option"),
+    (("--json", "status"), "hwtune status: --json is an option of status: it goes after the command"),
+    (("search", "rmsnorm", "--device", "gpu"), "hwtune search: argument --device: invalid choice: 'gpu'"),
+])
+def test_a_misplaced_or_bad_option_says_where_it_goes_in_one_line(tmp_path, argv, hint):
+    sim = make_sim(tmp_path)
+    argv = [str(a).replace("{sim}", str(sim)) for a in argv]
+    one_line(run_hwtune(*argv), hint.replace("{sim}", str(sim)))
+
+
+def test_status_into_a_closed_pipe_exits_quietly(tmp_path):
+    sim = make_sim(tmp_path, gpus=8)
+    for extra in ((), ("--json",)):
+        r, w = os.pipe()
+        os.close(r)  # the reader is gone before the first write, like `| head -0`
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.run([sys.executable, "-m", "daemon.cli", "--sim", str(sim), "status", *extra],
+                              stdout=w, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, timeout=60)
+        os.close(w)
+        assert proc.stderr == "" and proc.returncode == 0, proc.stderr
+    shell = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m daemon.cli --sim {sim} "
+                            "status | head -3"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert shell.returncode == 0 and shell.stderr == "" and len(shell.stdout.splitlines()) == 3

@@ -1,0 +1,54 @@
+"""What the README promises a newcomer (issue 11), and that the behaviour it documents is real."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from conftest import ROOT, run_hwtune
+from fixtures.simhost import make_sim
+
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_keeps_exactly_two_commands_and_says_what_the_tests_need():
+    section = README.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    commands = [ln for ln in section.splitlines() if ln.startswith("    ")]
+    assert len(commands) == 2 and "hwtune demo" in commands[0] and "pytest" in commands[1]
+    assert re.search(r"tests take about \d+ minutes", section)
+    assert "../shared" in section and "HWTUNE_SHARED" in section
+    assert "hwtune-demo/" in section and "ignored by git" in section
+
+
+def test_readme_documents_exit_130_and_where_sim_keeps_its_state():
+    assert re.search(r"130 interrupted", README)
+    assert "HOST.json.state/" in README
+    assert "Global options go before the command" in README
+
+
+def test_an_interrupted_command_exits_130_with_one_line_and_no_traceback(tmp_path):
+    sim = make_sim(tmp_path, write_delay_ms=50)
+    before = run_hwtune("--sim", sim, "status", "--json", check=True).stdout
+    cmd = [sys.executable, "-m", "daemon.cli", "--sim", str(sim), "tune", "--no-kernels"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("HWTUNE_READ_ONLY", None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "[  3]" in line:  # mid-search, a point applied
+            proc.send_signal(signal.SIGINT)
+            break
+    _, err = proc.communicate(timeout=120)
+    err = "".join(seen) + err
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "hwtune tune: interrupted"
+    # and the cycle put the host back where it started
+    from daemon.commands.demo import _same_settings
+
+    after = run_hwtune("--sim", sim, "status", "--json", check=True).stdout
+    assert _same_settings(json.loads(before), json.loads(after)) is True
