@@ -31,13 +31,21 @@ def default_state_dir(sim_path: str | None) -> Path:
     return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local/state")) / "hwtune"
 
 
-def ensure_writable_dir(path: Path, what: str, advice: str) -> None:
+def ensure_writable_dir(path: Path, what: str, advice: str, mode: int | None = None) -> None:
     """mkdir -p PATH and create (then remove) a file in it; UsageError naming PATH otherwise
-    (under /proc, under a regular file, immutable, read-only mount, no permission)."""
+    (under /proc, under a regular file, immutable, read-only mount, no permission). `mode`:
+    PATH itself, when made here, gets exactly that mode whatever the umask."""
     from hwtune.errors import UsageError
 
     path = Path(path)
     try:
+        if mode is not None and not path.exists():
+            missing = [d for d in reversed(path.parents) if not d.exists()]
+            for d in missing:   # parents made here: 0755, not the umask's choice
+                os.mkdir(d, 0o755)
+                os.chmod(d, 0o755)
+            os.mkdir(path, mode)
+            os.chmod(path, mode)
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".hwtune-probe-", dir=path)
         os.close(fd)
@@ -108,7 +116,7 @@ class Context:
         2) before anything is touched: a journal that cannot be written must stop an apply
         before its first write, not after."""
         ensure_writable_dir(self.state_dir, "state directory",
-                            "choose another with --state-dir DIR, before the command")
+                            "choose another with --state-dir DIR, before the command", mode=0o700)
         return self.state_dir
 
     def check_state_dir(self) -> None:

@@ -197,14 +197,14 @@ def run_demo(args, ctx) -> int:
     if simulated and not (ctx.sim_path or (out / "host.json").exists()):
         r.run("sim-init", ["sim", "init", str(out / "host.json"), "--gpus", str(args.gpus)])
     try:
-        return _demo_steps(args, ctx, r, out, label, simulated, device)
+        return _demo_steps(args, ctx, r, out, label, simulated, device, started)
     except KeyboardInterrupt:
         if ctx.read_only:
             return 130
         return _restore_after_interrupt(r)
 
 
-def _demo_steps(args, ctx, r, out, label, simulated, device) -> int:
+def _demo_steps(args, ctx, r, out, label, simulated, device, started) -> int:
     before = r.run("status-before", ["status", "--json"], parse_json=True)
     r.run("plan", ["plan", "-p", args.profile])
     if not ctx.read_only:

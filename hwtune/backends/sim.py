@@ -53,7 +53,8 @@ def new_host(gpus: int = DEFAULT_GPUS, cpus: int = DEFAULT_CPUS) -> dict:
     """An H200-like node: GPUs with their PCIe functions, one Mellanox NIC, CPUs, BIOS."""
     if gpus < 1:
         raise UsageError(f"--gpus {gpus}: need at least 1")
-    host: dict = {"version": 1, "write_delay_ms": 0, "faults": [], "gpus": [], "pcie": []}
+    host: dict = {"version": 1, "write_delay_ms": 0, "faults": [], "locked_clocks_getter": True,
+                  "gpus": [], "pcie": []}
     for i in range(gpus):
         bus = GPU_BUSES[i] if i < len(GPU_BUSES) else 0x100 + i
         bdf = f"0000:{bus:02x}:00.0"
@@ -154,6 +155,8 @@ def set_dotted(data, dotted: str, value, raw: str | None = None) -> None:
             if last and raw is not None and (isinstance(node.get(part), str)
                                               or (parts[:n] == ["bios"] and part not in node)):
                 value = raw
+            if last and n == 0 and part not in node and part in OPTIONAL_TOP:
+                node[part] = OPTIONAL_TOP[part]   # a file older than the key: it takes its default
             if part not in node and not (last and parts[:n] == ["bios"] and isinstance(value, str)):
                 near = difflib.get_close_matches(part, [str(k) for k in node], n=1)
                 where = ".".join(parts[:n]) or "the top level"
@@ -168,6 +171,9 @@ def set_dotted(data, dotted: str, value, raw: str | None = None) -> None:
         else:
             raise UsageError(f"{dotted}: {'.'.join(parts[:n])} is a value, not a section")
 
+
+# Top-level keys a sim file may lack (files written before they existed): their defaults.
+OPTIONAL_TOP = {"locked_clocks_getter": True}
 
 _BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 MAX_SIM_BYTES = 64 << 20
