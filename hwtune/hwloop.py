@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from hwtune.errors import HwtuneError, UsageError
+from hwtune.signals import Interrupted
 
 OBJECTIVES = ("throughput", "energy")
 
@@ -299,6 +300,8 @@ def search(space: Space, measure: Callable[[Point], dict], apply_point: Callable
         except AbortSearch as exc:
             result.aborted = str(exc)
             ev = Evaluation(point, None, "aborted", str(exc))
+        except Interrupted:
+            raise  # Ctrl-C / SIGTERM held through an apply: the caller restores, not a failed point
         except HwtuneError as exc:
             ev = Evaluation(point, None, "failed", str(exc))
         ev.seconds = time.monotonic() - t0

@@ -41,8 +41,15 @@ class WriterLock:
             except BaseException:
                 os.close(fd)
                 raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            # Ctrl-C between the flock and here: an fd left open would keep the lock held by
+            # this very process, and the restore that follows would find it "busy".
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise
         self._fd = fd
         return self
 

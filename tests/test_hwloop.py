@@ -147,3 +147,40 @@ def test_baseline_keeps_the_whole_locked_range_so_restoring_it_leaves_no_drift(t
     applier(baseline)
     assert engine.verify(host, profile, state) == []
     assert Point(**baseline.to_json()) == baseline
+
+
+def test_a_signal_held_through_an_apply_stops_the_search_instead_of_failing_a_point():
+    """signals.Interrupted is an HwtuneError, but not a failed point: swallowing it would keep
+    tuning after Ctrl-C (the caller restores and exits 130)."""
+    import signal
+
+    from hwtune.signals import Interrupted
+
+    applied = []
+
+    def apply_point(p):
+        applied.append(p)
+        if len(applied) == 3:
+            raise Interrupted(signal.SIGINT, "interrupted by SIGINT as the apply finished")
+
+    with pytest.raises(Interrupted):
+        hwloop.search(space(), simulated(), apply_point, Objective("energy", 0.98), budget=12)
+    assert len(applied) == 3
+
+
+def test_ctrl_c_between_taking_the_lock_and_naming_the_holder_releases_it(tmp_path, monkeypatch):
+    import os
+
+    from hwtune.lock import WriterLock
+
+    real = os.pwrite
+
+    def interrupted(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "pwrite", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        WriterLock(tmp_path).__enter__()
+    monkeypatch.setattr(os, "pwrite", real)
+    with WriterLock(tmp_path):  # not "held by pid unknown" by our own leaked fd
+        pass

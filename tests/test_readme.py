@@ -46,7 +46,7 @@ def test_an_interrupted_command_exits_130_with_one_line_and_no_traceback(tmp_pat
     err = "".join(seen) + err
     assert proc.returncode == 130, err
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1] == "hwtune tune: interrupted"
+    assert err.strip().splitlines()[-1].startswith("hwtune tune: interrupted")
     # and the cycle put the host back where it started
     from daemon.commands.demo import _same_settings
 
