@@ -102,42 +102,35 @@ class _Runner:
         return step
 
 
-def _wait_step(proc: subprocess.Popen) -> int:
-    """Wait for a streamed step. On Ctrl-C the step is not killed mid-write: it gets SIGINT
-    (it holds it while it writes, then undoes or finishes), and the demo waits for it."""
+def _settle(proc: subprocess.Popen, wait):
+    """`wait()` for a step (proc.wait or proc.communicate). On Ctrl-C the step is not killed
+    mid-write: it gets SIGINT (it holds it while it writes, then undoes or finishes), and the
+    demo waits for it before re-raising."""
     try:
-        return proc.wait()
+        return wait()
     except KeyboardInterrupt:
         try:
             try:  # a terminal's Ctrl-C reached the step too: let it answer that one
-                proc.wait(timeout=5)
+                wait(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGINT)  # only the demo was signalled (kill -INT)
-                proc.wait(timeout=120)
+                wait(timeout=120)
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
             proc.kill()
-            proc.wait()
+            wait()
         raise
 
 
+def _wait_step(proc: subprocess.Popen) -> int:
+    """Wait for a streamed step (its output is pumped by threads)."""
+    return _settle(proc, proc.wait)
+
+
 def _run_child(argv: list, env: dict, cwd: Path) -> subprocess.CompletedProcess:
-    """Run one step. On Ctrl-C the step is not killed mid-write: it gets SIGINT (it holds it
-    while it writes, then undoes or finishes), and the demo waits for it before going on."""
+    """Run one step, its output collected."""
     with subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True) as proc:
-        try:
-            out, err = proc.communicate()
-        except KeyboardInterrupt:
-            try:
-                try:  # a terminal's Ctrl-C reached the step too: let it answer that one
-                    proc.communicate(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.send_signal(signal.SIGINT)  # only the demo was signalled (kill -INT)
-                    proc.communicate(timeout=120)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                proc.kill()
-                proc.communicate()
-            raise
+        out, err = _settle(proc, proc.communicate)
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
