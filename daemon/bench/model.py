@@ -8,7 +8,8 @@ Layout choices that make the decode step lean and graph-capturable:
   captured step can be replayed without any host-side state;
 - RoPE + the KV-cache write go through `ops.rope_kv_write` (stock: one batched matmul per
   layer, q and k heads together, by a per-position rotation matrix gathered once per step
-  from a table, then two in-place index writes; tuned: one fused Triton kernel);
+  from a table, then two in-place index writes; tuned: the dispatch table's `rope_kv_write`
+  kernel on cos/sin [B, D] computed once per step, `rope_cos_sin`);
 - every op with a tunable kernel goes through an `ops` object (see daemon/bench/ops.py).
 """
 from __future__ import annotations
@@ -154,6 +155,13 @@ class Model:
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., D/2]
         ang = torch.cat([freqs, freqs], dim=-1)
         return ang.cos(), ang.sin()
+
+    def rope_cos_sin(self, positions: torch.Tensor):
+        """cos, sin [B, D] in the model's dtype, Hugging Face's rotate_half convention
+        (cos = cat(c, c), c = cos(pos * inv_freq)): x * cos + rotate_half(x) * sin is what
+        `rope_matrices` applies as x @ R, from the same fp32 angles rounded once."""
+        cos, sin = self._cos_sin(positions)
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def rope_matrices(self, positions: torch.Tensor) -> torch.Tensor:
         """[B, D, D] with x @ R == x * cos + rotate_half(x) * sin at each sequence's position.

@@ -24,17 +24,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from daemon.bench.autotable import DEFAULT_EVALS, default_table_path, ensure_table
 from daemon.bench.model import PRESETS, Model
-from daemon.bench.ops import (StockOps, TunedOps, default_table_path, load_table, rel_l2, time_in_graph_ms,
+from daemon.bench.ops import (DTYPE_NAMES, StockOps, TunedOps, cache_len, decode_shapes,
+                              describe_kernels, kernels_per_layer, rel_l2, time_in_graph_ms,
                               warm_up_for_capture)
 
 VARIANTS = ("eager", "graphed", "compile", "tuned")
 FAIR_NOTE = ("All variants run the same model with the same fused weights (one QKV matrix, "
              "one gate/up matrix) and the same static KV cache; eager, graphed and compile apply "
-             "RoPE as one batched matmul before the KV-cache write, while the tuned variant may run "
-             "a fused Triton RoPE+KV-write kernel instead (checked against stock at the real shapes, "
-             "stock on any failure); they differ only in how the step is launched and which "
-             "kernels run.")
+             "RoPE as one batched matmul before the KV-cache write; the tuned variant is the "
+             "graphed step with the dispatch table's kernels (verified and kept by kernelsearch's "
+             "search, e.g. a RoPE+KV-write kernel where the table has one) wherever the table has "
+             "an entry for the call, stock everywhere else; they differ only in how the step is "
+             "launched and which kernels run.")
+# Without a table covering the decode shapes, the search gets at most this share of --budget-s.
+SEARCH_SHARE = 0.5
 
 
 def log(msg: str) -> None:
@@ -57,7 +62,7 @@ class BenchOptions:
     budget_s: float = 270.0
     table_path: str | None = None
     state_dir: str | None = None
-    quick_pick: int = 8
+    search_evals: int = DEFAULT_EVALS
     seed: int = 0
 
 
@@ -236,6 +241,19 @@ class Bench:
                "floor_note": FLOOR_NOTE}
         log(f"{doc['label']}: model {cfg.name} {o.dtype}, shapes {o.shapes}, variants {list(o.variants)}, "
             f"budget {o.budget_s:.0f}s")
+        table, table_note, details = None, "tuned variant not run: no table needed", []
+        if "tuned" in o.variants:
+            search_budget_s = SEARCH_SHARE * o.budget_s
+            table, table_note = ensure_table(
+                state_dir=o.state_dir, device=o.device, dtype=DTYPE_NAMES[dtype],
+                shapes=decode_shapes(cfg, o.shapes), budget_s=search_budget_s, table_path=o.table_path,
+                progress=log, evals=o.search_evals, details=details)
+        if o.table_path is None and o.state_dir is not None:
+            o.table_path = default_table_path(o.state_dir, o.device)
+        doc["kernel_table"] = {"path": str(o.table_path) if o.table_path else None,
+                               "loaded": table is not None, "note": table_note, "search": details,
+                               "search_evals": o.search_evals}
+        log(f"kernels for tuned: {table_note}")
         torch.manual_seed(o.seed)
         model = Model(cfg, device=o.device, dtype=dtype, seed=o.seed)
         if self.cuda:
@@ -247,13 +265,6 @@ class Bench:
         doc["energy_source"] = self.reader.source if (self.reader and self.reader.available) else None
         if self.cuda and doc["energy_source"] is None:
             doc["energy_note"] = getattr(self.reader, "error", "no NVML reader")
-
-        if o.table_path is None and o.state_dir is not None:
-            o.table_path = default_table_path(o.state_dir, o.device)
-        table, table_note = load_table(o.table_path)
-        doc["kernel_table"] = {"path": str(o.table_path) if o.table_path else None,
-                               "loaded": table is not None, "note": table_note}
-        log(f"kernels for tuned: {table_note}")
 
         floors = {}
         for batch, ctx in o.shapes:
@@ -329,7 +340,7 @@ class Bench:
 
     def _decode_shape(self, model, batch, ctx, floor, variants, table, table_note, doc):
         o = self.opts
-        s_max = int(math.ceil((ctx + 1) / 64) * 64)
+        s_max = cache_len(ctx)
         model.allocate_cache(batch, s_max)
         model.fill_cache_random(seed=o.seed + 1)
         g = torch.Generator(device=o.device)
@@ -424,35 +435,8 @@ class Bench:
             g_nh, out_nh = capture_graph(lambda: model.decode_step(tokens, positions, stock, head=False))
             return graph.replay, out, {"_no_head": (g_nh.replay, out_nh)}
         if variant == "tuned":
-            if self.cuda or os.environ.get("TRITON_INTERPRET") == "1":
-                ops = TunedOps(table, table_note, quick_pick=self.opts.quick_pick if self.cuda else 1,
-                               attention=stock.attention)
-            else:
-                ops = TunedOps(None, "cpu without TRITON_INTERPRET=1: templates not tried",
-                               kernel_dir=None, attention=stock.attention)
-            used = ops.prepare(model, batch, time_it=self.cuda)
-            doc["tuned_kernels"][f"{batch}x{ctx}"] = used
-            summary = {op: u["impl"] for op, u in used.items()}
-            fields = {"kernels": summary, "kernel_source": table_note if table is not None else
-                      "built-in templates (first config + hinted configs, fastest checked per "
-                      "shape) or stock where stock is faster or no template passed"}
-            fields["kernels_per_layer"] = kernels_per_layer(ops, batch)
-            fields["kernels_per_layer_stock"] = kernels_per_layer(stock, batch)
-            if not self.cuda:
-                fields["_no_head"] = ((lambda: model.decode_step(tokens, positions, ops, head=False)), None)
-                return (lambda: model.decode_step(tokens, positions, ops)), None, fields
-            if table is not None:
-                table.counts.clear()
-            graph, out, choice = self._capture_tuned(model, tokens, positions, ops, ref, tol)
-            fields["step_choice"] = choice
-            fields["kernels"] = {op: ("stock (dropped by the step-level check)" if op in ops.disabled
-                                      else impl) for op, impl in summary.items()}
-            fields["kernels_per_layer"] = kernels_per_layer(ops, batch)
-            if table is not None:  # what the table routed while the graph was captured (4 calls)
-                fields["table_routes"] = {f"{k}:{r}": n for (k, r), n in sorted(table.counts.items())}
-            g_nh, out_nh = capture_graph(lambda: model.decode_step(tokens, positions, ops, head=False))
-            fields["_no_head"] = (g_nh.replay, out_nh)
-            return graph.replay, out, fields
+            return self._tuned_step(model, tokens, positions, stock, table, table_note, doc, batch, ctx,
+                                    ref, tol)
         if variant == "compile":
             if not self.cuda:
                 return None, None, {"status": "skipped: needs CUDA (compile is a GPU measurement here)"}
@@ -463,57 +447,69 @@ class Bench:
             return self._compiled_step(model, tokens, positions, stock, doc)
         return None, None, {"status": f"skipped: unknown variant {variant!r}"}
 
-    def _capture_tuned(self, model, tokens, positions, ops, ref, tol):
-        """Capture the tuned step and check it as a whole: a substitution that fails to
-        capture, gives logits off stock's, or makes the whole graphed step slower (isolated
-        kernel timings run with a warm L2) goes back to stock. Greedy: start with every
-        substitution, try dropping each op once, keep a drop that is >= 1% faster (or that
-        makes a failing step pass). -> (graph, static output, record)."""
-        def attempt(disabled):
-            ops.disabled = set(disabled)
-            try:
-                graph, out = capture_graph(lambda: model.decode_step(tokens, positions, ops))
-                # Capture records work without running it: replay once before reading `out`.
-                graph.replay()
-                torch.cuda.synchronize()
-                err = rel_l2(out.float(), ref)
-                if not err <= tol:
-                    return {"disabled": sorted(disabled), "error": f"rel_l2 {err:.2e} > {tol:g}"}, None
-                ms = statistics.median(time_steps(graph.replay, 20, 3, True))
-                return {"disabled": sorted(disabled), "ms": ms, "rel_l2": err}, (graph, out)
-            except Exception as exc:
-                try:
-                    torch.cuda.synchronize()
-                except Exception:
-                    pass
-                return {"disabled": sorted(disabled), "error": f"{type(exc).__name__}: {str(exc)[:200]}"}, None
+    def _tuned_step(self, model, tokens, positions, stock, table, table_note, doc, batch, ctx, ref, tol):
+        """The graphed step with TunedOps on the dispatch table. One check, of the whole step's
+        logits against stock's (not a keep rule: nothing is dropped for being slow); when it
+        fails, the row says so and which op(s) it is about, and is not timed."""
+        cfg, s_max, dt = model.cfg, model.kv.shape[4], DTYPE_NAMES[model.dtype]
+        if table is not None and not self.cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            ops = TunedOps(None, "cpu without TRITON_INTERPRET=1: the table's Triton kernels cannot run",
+                           attention=stock.attention)
+        else:
+            ops = TunedOps(table, table_note, attention=stock.attention)
+        failure = self._check_tuned(model, tokens, positions, ops, ref, tol)
+        used = describe_kernels(ops, cfg, batch, s_max, dt)
+        doc["tuned_kernels"][f"{batch}x{ctx}"] = used
+        fields = {"kernels": {label: u["impl"] + (f" ({u['reason']})" if u.get("reason") else "")
+                              for label, u in used.items()},
+                  "kernel_source": table_note,
+                  "kernels_per_layer": kernels_per_layer(ops, cfg, batch, s_max, dt),
+                  "kernels_per_layer_stock": kernels_per_layer(stock, cfg, batch, s_max, dt)}
+        if failure:
+            return None, None, {**fields, "status": f"error: {failure}"}
+        if not self.cuda:
+            fields["_no_head"] = ((lambda: model.decode_step(tokens, positions, ops, head=False)), None)
+            return (lambda: model.decode_step(tokens, positions, ops)), None, fields
+        if table is not None:
+            table.counts.clear()
+        graph, out = capture_graph(lambda: model.decode_step(tokens, positions, ops))
+        if table is not None:  # what the table routed while the graph was captured (4 calls)
+            fields["table_routes"] = {f"{k}:{r}": n for (k, r), n in sorted(table.counts.items())}
+        graph.replay()  # capture records work without running it: replay once before reading `out`
+        torch.cuda.synchronize()
+        err = rel_l2(out.float(), ref)
+        if not err <= tol:
+            return None, None, {**fields, "status": f"error: the captured tuned step's logits differ from "
+                                                    f"stock's (rel_l2 {err:.2e} > {tol:g})"}
+        g_nh, out_nh = capture_graph(lambda: model.decode_step(tokens, positions, ops, head=False))
+        fields["_no_head"] = (g_nh.replay, out_nh)
+        return graph.replay, out, fields
 
-        tried = []
-        current = set()
-        best, best_g = attempt(current)
-        tried.append(best)
-        for op in ops.routed_ops():
-            if self.left_s() < 30:
-                break
-            cand = current | {op}
-            rec, g = attempt(cand)
-            tried.append(rec)
-            better = g is not None and (best_g is None or rec["ms"] < 0.99 * best["ms"])
-            if better:
-                current, best, best_g = cand, rec, g
-            else:
-                g = None
-        if best_g is None:  # nothing passed: stock kernels in the tuned graph
-            current = set(ops.routed_ops())
-            best, best_g = attempt(current)
-            tried.append(best)
-            if best_g is None:
-                raise RuntimeError(f"tuned step failed even with every op stock: {best.get('error')}")
-        ops.disabled = set(current)
-        log("tuned step choices: " + "; ".join(
-            f"-{','.join(r['disabled']) or 'none'} " + (f"{r['ms']:.3f} ms" if "ms" in r else r["error"][:60])
-            for r in tried) + f" -> drop {sorted(current) or 'none'}")
-        return best_g[0], best_g[1], {"dropped": sorted(current), "tried": tried}
+    @staticmethod
+    def _check_tuned(model, tokens, positions, ops, ref, tol) -> str | None:
+        """None when one eager tuned step gives stock's logits; else what is wrong and, by
+        forcing one tuned kernel at a time back to stock, which op it is about."""
+        def error() -> str | None:
+            try:
+                err = rel_l2(model.decode_step(tokens, positions, ops).float(), ref)
+            except Exception as exc:
+                return f"{type(exc).__name__}: {str(exc)[:200]}"
+            return None if err <= tol else f"logits differ from stock's (rel_l2 {err:.2e} > {tol:g})"
+
+        problem = error()
+        if problem is None:
+            return None
+        tuned = ops.tuned_kernels()
+        at_fault = []
+        for kernel in tuned:
+            ops.stock_only = {kernel}
+            if error() is None:
+                at_fault.append(kernel)
+        ops.stock_only = set()
+        where = (f"the tuned {', '.join(at_fault)} kernel(s)" if at_fault else
+                 f"no single op (tuned: {', '.join(tuned) or 'none'})")
+        log(f"tuned step check failed: {problem}; at fault: {where}")
+        return f"tuned step check failed: {problem}; at fault: {where}"
 
     def _compiled_step(self, model, tokens, positions, stock, doc):
         if self.cg_log is None:
@@ -579,32 +575,6 @@ class Bench:
             doc["prefill"].append(row)
 
 
-def kernels_per_layer(ops, batch: int) -> dict:
-    """Kernel launches per decoder layer, counted by construction from what the ops object
-    routes (torch.profiler on a CPU cannot see CUDA kernels). Stock counts are torch's usual
-    CUDA launches: rms_norm 1 (fused in recent torch), the residual add 1, a GEMV 1, RoPE bmm
-    1 (+1 copy of the strided q/k slice when it is not contiguous), each index write 1,
-    SDPA 1 (+1 q copy for batch > 1), silu 1 + mul 1; a Triton splitk GEMV with more than
-    one split adds its reduce kernel (not counted here: it depends on the chosen config)."""
-    tuned = isinstance(ops, TunedOps)
-    disabled = getattr(ops, "disabled", set())
-
-    def routed(op):
-        return tuned and op not in disabled and (op in ops.fused or any(k[0] == op for k in ops.routes))
-
-    counts = {
-        "add_rmsnorm": 1 if routed("add_rmsnorm") else 2,
-        "matmul (qkv, o, gate_up, down)": 4,
-        "rope + kv write": 1 if routed("rope_kv_write") else (3 if batch == 1 else 4),
-        "decode_attention": 2 if routed("decode_attention") else (
-            (1 if batch == 1 else 2) if ops.attention == "sdpa" else 4),
-        "silu_mul": 1 if routed("silu_mul") else 2,
-        "add_rmsnorm (mlp)": 1 if routed("add_rmsnorm") else 2,
-    }
-    counts["total"] = sum(counts.values())
-    return counts
-
-
 def format_table(doc: dict) -> str:
     lines = [f"{'variant':8s} {'batch':>5s} {'ctx':>6s} {'step ms':>9s} {'tokens/s':>10s} "
              f"{'tokens/J':>9s} {'%fl+head':>8s} {'no-head ms':>10s} {'% floor':>8s}  status"]
@@ -626,13 +596,15 @@ def format_table(doc: dict) -> str:
                          f"({f['total_bytes'] / 1e9:.2f} GB) at {doc.get('copy_bandwidth_gbs', 0):.0f} GB/s")
     if doc.get("floor_note"):
         lines.append(doc["floor_note"])
+    if (doc.get("kernel_table") or {}).get("note"):
+        lines.append(f"kernels of the tuned variant: {doc['kernel_table']['note']}")
     for r in doc["decode"]:
         if r["variant"] == "tuned" and r.get("kernels"):
             lines.append(f"tuned B={r['batch']} ctx={r['ctx']} kernels/layer "
                          f"{r.get('kernels_per_layer', {}).get('total', '?')} (stock "
                          f"{r.get('kernels_per_layer_stock', {}).get('total', '?')}):")
             for op, impl in r["kernels"].items():
-                lines.append(f"  {op:17s} {str(impl)[:150]}")
+                lines.append(f"  {op:23s} {str(impl)[:150]}")
     for r in doc.get("prefill", []):
         if r.get("status") == "ok":
             tj = f", {r['tokens_per_j']:.1f} tok/J" if r.get("tokens_per_j") else ""

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from daemon.bench.autotable import DEFAULT_EVALS
 from daemon.device import DEVICE_HELP, resolve_device
 from hwtune.errors import UsageError
 
@@ -37,8 +38,10 @@ def add_bench_arguments(p) -> None:
                    help="stop starting new measurements after this many seconds")
     m.add_argument("--table", default=None, metavar="PATH",
                    help="dispatch table (default STATE_DIR/dispatch/<fingerprint-id>.json)")
-    m.add_argument("--quick-pick", type=int, default=8,
-                   help="without a table: template configs tried per op at decode shapes")
+    m.add_argument("--search-evals", type=int, default=DEFAULT_EVALS,
+                   help="where the dispatch table lacks a decode shape of the model, the tuned "
+                        "variant first runs the kernel search there (within half of --budget-s): "
+                        "evaluations per kernel, each measuring all its missing shapes")
     m.add_argument("--seed", type=int, default=0, help="seed of the model weights and tokens")
     w = p.add_argument_group("your workload instead of the built-in model")
     # dest differs from "command": the CLI keeps the subcommand's name there.
@@ -69,6 +72,8 @@ def _load_json(path: Path, what: str) -> dict:
 def run_bench(args, ctx) -> int:
     from daemon.context import ensure_writable_dir
 
+    if args.search_evals < 1:
+        raise UsageError(f"--search-evals {args.search_evals}: at least 1 evaluation per kernel")
     if args.steps < 20:
         raise UsageError(f"--steps {args.steps}: at least 20 steps for a median")
     baseline = _load_json(args.baseline, "--baseline") if args.baseline else None
@@ -139,7 +144,7 @@ def _measure(args, ctx) -> dict:
                 variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
                 steps=args.steps, warmup=args.warmup, energy_window_s=args.energy_window_s,
                 budget_s=args.budget_s, table_path=args.table, state_dir=str(ctx.state_dir),
-                quick_pick=args.quick_pick, seed=args.seed)
+                search_evals=args.search_evals, seed=args.seed)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
         unknown = set(opts.variants) - {"eager", "graphed", "compile", "tuned"}
