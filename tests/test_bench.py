@@ -18,7 +18,7 @@ FINGERPRINT_KEYS = {"host", "virtualization", "gpu", "software", "locked_clocks"
                     "hardware_status", "kernel_table", "hwtune_commit"}
 SENTINEL = 777.0
 TINY_ARGS = ["bench", "--device", "cpu", "--shapes", "2x16", "--prefill", "1x8",
-             "--steps", "20", "--warmup", "2", "--variants", "eager,graphed,tuned"]
+             "--steps", "20", "--warmup", "2", "--variants", "eager,graphed,tuned", "--search-evals", "1"]
 
 
 def _tiny_model(batch, s_max, seed=0):
@@ -47,8 +47,23 @@ def test_tiny_model_bench_on_cpu_measures_prefill_and_decode_with_a_fingerprint(
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0
         assert "tokens_per_j" not in row  # no energy on CPU
     assert decode["graphed"]["status"].startswith("skipped")
-    assert {"rmsnorm", "add_rmsnorm", "matmul", "decode_attention"} <= set(decode["tuned"]["kernels"])
-    assert decode["tuned"]["kernels_per_layer"]["total"] <= decode["tuned"]["kernels_per_layer_stock"]["total"]
+    # every substitutable call of the step says what runs: here the search (on the interpreter)
+    # kept stock everywhere, and the tuned row says so per call, with the stock it ran
+    kernels = decode["tuned"]["kernels"]
+    assert {"rmsnorm (layer 0)", "add_rmsnorm (attention)", "matmul qkv", "rope + kv write",
+            "decode_attention", "swiglu", "matmul down", "lm_head"} <= set(kernels)
+    assert all(impl.startswith("stock") for impl in kernels.values()), kernels
+    assert decode["tuned"]["kernels_per_layer"] == decode["tuned"]["kernels_per_layer_stock"]
+    # with no table in the state dir, bench searched the model's own decode shapes first
+    searched = {(d["kernel"], json.dumps(d["shape"], sort_keys=True)): d for d in doc["kernel_table"]["search"]}
+    assert ("matmul", json.dumps({"K": 64, "M": 2, "N": 128}, sort_keys=True)) in searched  # the qkv GEMV
+    assert ("swiglu", json.dumps({"I": 128, "M": 2}, sort_keys=True)) in searched
+    done = [d for d in searched.values() if "kept" in d]
+    assert done and all(d["against"] for d in done) and not any(d["kept"] for d in done)
+    # (not searched while this checkout has no rope_kv_write spec; searched once it has)
+    assert ("rope_kv_write", json.dumps({"B": 2, "D": 16, "Hkv": 2, "Hq": 4, "S": 64}, sort_keys=True)) in searched
+    assert (out / "state" / "ledger.sqlite").exists()
+    assert doc["kernel_table"]["loaded"] and doc["kernel_table"]["path"].startswith(str(out / "state" / "dispatch"))
     for variant in ("eager", "tuned"):  # the no-head step is timed too, against the no-head floor
         assert decode[variant]["step_ms_no_head"] > 0
         assert decode[variant]["rel_l2_no_head_vs_eager"] < 1e-5
@@ -122,8 +137,10 @@ def test_baseline_report_has_ratios_notes_and_a_png(tiny_run, tmp_path, hwtune_c
     baseline["fingerprint"]["virtualization"]["virtualized"] = True
     baseline["fingerprint"]["gpu"] = {"name": "NVIDIA H100 80GB HBM3", "driver": "550.54"}
     (tmp_path / "base.json").write_text(json.dumps(baseline))
-    proc = hwtune_cli("--state-dir", tmp_path / "state", *TINY_ARGS,
+    # the state dir of tiny_run: its search covered these decode shapes already
+    proc = hwtune_cli("--state-dir", tiny_run[1] / "state", *TINY_ARGS,
                       "--baseline", tmp_path / "base.json", "--out", tmp_path / "cmp", check=True)
+    assert "autotable: search" not in proc.stderr
     md = (tmp_path / "cmp" / "report.md").read_text()
     assert "ratio tokens/s" in md and "| decode | eager | 2 | 16 |" in md
     assert "NVIDIA H100 80GB HBM3" in md  # fingerprint differences side by side
@@ -231,92 +248,194 @@ def test_tiny_model_variants_on_cuda(tmp_path, hwtune_cli):
         assert rows[v]["rel_l2_vs_eager"] < 5e-2
 
 
-def _interpreted(request):
-    """The fused kernels module under the Triton interpreter, or None when this test was run
-    (and passed) in a child process instead: triton decides interpreter or not when it is
-    first imported, and in a full run another module (transformers) imports it first. The
-    environment variable says nothing about that, so the check looks at triton itself."""
-    import os
-    import subprocess
+class RecordingTable:
+    """A dispatch table stand-in that records what TunedOps asks and, for the kernels given,
+    answers with an entry and runs `impl` (the contract's reference) as the table's call."""
 
-    tl = sys.modules.get("triton.language")
-    if tl is not None and type(tl.zeros).__name__ != "InterpretedFunction":
-        if os.environ.get("HWTUNE_TEST_CHILD"):
-            pytest.fail("triton imported without the interpreter even in a fresh process")
-        from conftest import ROOT
+    def __init__(self, impls=None):
+        self.impls = impls or {}
+        self.lookups, self.calls = [], []
 
-        env = dict(os.environ, TRITON_INTERPRET="1", HWTUNE_TEST_CHILD="1",
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-        return None
-    os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton")
-    from daemon.bench import fused
-    return fused
+    def lookup(self, kernel, shape, dtype):
+        self.lookups.append((kernel, dict(shape), dtype))
+        if kernel not in self.impls:
+            return None
+        from kernelsearch.entry import Entry
+        return Entry.make(kernel=kernel, dtype=dtype, shape=shape, source={"module": "test." + kernel},
+                          params={"P": 1}, plan={"steps": [{"op": "launch"}]}, speedup=2.0,
+                          against="the test's stock")
+
+    def route(self, kernel, *args):
+        return (object(), {}, "tuned") if kernel in self.impls else (None, None, "no entry for shape")
+
+    def call(self, kernel, *args):
+        self.calls.append((kernel, args))
+        return self.impls[kernel](*args)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_fused_rope_kv_write_matches_stock_and_touches_only_the_written_slots(dtype, tol, request):
-    fused = _interpreted(request)
-    if fused is None:
-        return
-    cfg = PRESETS["tiny"]
-    model = Model(cfg, device="cpu", dtype=dtype)
-    model.allocate_cache(3, 24)
+def _step_pair(ops, batch=2, ctx=16, seed=0):
+    """(logits, kv) of one decode step with `ops`, and of the same step with StockOps."""
+    from daemon.bench.ops import cache_len
+
+    model = Model(PRESETS["tiny"], device="cpu", dtype=torch.float32, seed=seed)
+    model.allocate_cache(batch, cache_len(ctx))
     model.fill_cache_random()
-    positions = torch.tensor([0, 17, 23])
-    qkv = torch.randn(3, cfg.qkv_heads, cfg.head_dim).to(dtype)
-    k_s, v_s = model.kv[0, 0].clone(), model.kv[0, 1].clone()
-    k_f, v_f = model.kv[0, 0].clone(), model.kv[0, 1].clone()
-    stock = StockOps()
-    q_s = stock.rope_kv_write(qkv, stock.rope_context(model, positions), positions, k_s, v_s, cfg.heads)
-    q_f = fused.rope_kv_write(qkv, positions, model.inv_freq, k_f, v_f, cfg.heads)
-    assert q_f.is_contiguous() and q_f.shape == (3, cfg.heads, cfg.head_dim)
-    torch.testing.assert_close(q_f.float(), q_s.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(k_f.float(), k_s.float(), rtol=tol, atol=tol)
-    rows = torch.arange(3)
-    torch.testing.assert_close(v_f[rows, :, positions], qkv[:, cfg.heads + cfg.kv_heads:])
-    for a, b in ((k_s, k_f), (v_s, v_f)):
-        a[rows, :, positions] = 0
-        b[rows, :, positions] = 0
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_fused_silu_mul_matches_stock(dtype, tol, request):
-    fused = _interpreted(request)
-    if fused is None:
-        return
-    gate_up = (3 * torch.randn(3, 2 * 1500)).to(dtype)  # F not a multiple of the block
-    torch.testing.assert_close(fused.silu_mul(gate_up).float(),
-                               StockOps().silu_mul(gate_up).float(), rtol=tol, atol=tol)
-
-
-def test_tuned_step_with_fused_kernels_matches_stock_on_the_interpreter(request):
-    if _interpreted(request) is None:
-        return
-    from daemon.bench.ops import TunedOps
-    from daemon.bench.run import kernels_per_layer
-    model = Model(PRESETS["tiny"], device="cpu", dtype=torch.float32)
-    model.allocate_cache(2, 32)
-    model.fill_cache_random()
-    ops = TunedOps(None, "", quick_pick=1)
-    used = ops.prepare(model, 2, time_it=False)
-    assert used["rope_kv_write"]["impl"].startswith("fused")
-    assert used["silu_mul"]["impl"].startswith("fused")
-    tokens, positions = torch.tensor([3, 5]), torch.tensor([20, 7])
+    tokens = torch.arange(1, batch + 1) * 7
+    positions = torch.tensor([ctx, 3][:batch] + [ctx] * max(0, batch - 2))
     before = model.kv.clone()
-    ref = model.decode_step(tokens, positions, StockOps())
-    kv_ref = model.kv.clone()
+    want = model.decode_step(tokens, positions, StockOps())
+    kv_want = model.kv.clone()
     model.kv.copy_(before)
-    out = model.decode_step(tokens, positions, ops)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(model.kv, kv_ref, rtol=1e-5, atol=1e-5)
-    assert kernels_per_layer(ops, 2)["total"] == 10  # 4 GEMVs + 2 norms + rope/kv + 2 attn + swiglu
-    assert kernels_per_layer(StockOps(), 2)["total"] > 10
+    got = model.decode_step(tokens, positions, ops)
+    return model, (got, model.kv.clone()), (want, kv_want)
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_cos_sin_are_exactly_the_stock_rotation_matrices_in_the_rotate_half_convention(dtype):
+    from kernelsearch.specs.rope import rope_native
+
+    model = Model(PRESETS["tiny"], device="cpu", dtype=dtype)
+    model.allocate_cache(3, 64)
+    positions = torch.tensor([0, 17, 63])
+    cos, sin = model.rope_cos_sin(positions)
+    d, h = PRESETS["tiny"].head_dim, PRESETS["tiny"].head_dim // 2
+    assert cos.shape == sin.shape == (3, d) and cos.dtype == sin.dtype == dtype
+    torch.testing.assert_close(cos[:, :h], cos[:, h:], rtol=0, atol=0)  # cos = cat(c, c)
+    rot = model.rope_matrices(positions)  # what the stock step multiplies by: diag(cos) + P * sin
+    i = torch.arange(h)
+    assert torch.equal(torch.diagonal(rot, dim1=1, dim2=2), cos)
+    assert torch.equal(rot[:, i, i + h], sin[:, i + h]) and torch.equal(rot[:, i + h, i], -sin[:, i])
+    x = torch.randn(3, 5, d).to(dtype)
+    want = torch.bmm(x.float(), rot.float())
+    got, _ = rope_native(x.float(), x[:, :1].float(), cos.float(), sin.float())  # the rope specs' stock
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tuned_ops_ask_the_table_for_every_call_of_the_step_with_its_dispatch_shape():
+    from kernelsearch.dispatch import SHAPE_OF as DISPATCH_SHAPE_OF
+    from daemon.bench.ops import SHAPE_OF, TunedOps, cache_len, decode_shapes
+
+    table = RecordingTable()
+    ops = TunedOps(table, "test table")
+    model, (got, kv), (want, kv_want) = _step_pair(ops)
+    assert torch.equal(got, want) and torch.equal(kv, kv_want)  # no entry anywhere: exactly stock
+    asked = {(k, json.dumps(s, sort_keys=True)) for k, s, dt in table.lookups}
+    assert {dt for _, _, dt in table.lookups} == {"float32"}
+    expected = {(k, json.dumps(s, sort_keys=True))
+                for k, shapes in decode_shapes(model.cfg, [(2, 16)]).items() for s in shapes}
+    assert asked == expected  # what autotable searches is exactly what the step looks up
+    assert ("rope_kv_write", json.dumps({"B": 2, "D": 16, "Hkv": 2, "Hq": 4, "S": cache_len(16)},
+                                        sort_keys=True)) in asked
+    assert not table.calls
+    # the shape keys are the dispatch runtime's, for every kernel it knows
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    samples = {"rmsnorm": (r(2, 64), r(64), 1e-5), "add_rmsnorm": (r(2, 64), r(2, 64), r(64), 1e-5),
+               "matmul": (r(2, 64), r(64, 96)), "swiglu": (r(2, 256),),
+               "decode_attention": (r(2, 4, 16), r(2, 2, 64, 16), r(2, 2, 64, 16),
+                                    torch.tensor([5, 64], dtype=torch.int32), 0.25),
+               "rope_kv_write": (r(2, 8, 16), r(2, 16), r(2, 16), torch.tensor([1, 5]),
+                                 r(2, 2, 64, 16), r(2, 2, 64, 16))}
+    for kernel, args in samples.items():
+        if kernel in DISPATCH_SHAPE_OF:
+            assert SHAPE_OF[kernel](args) == DISPATCH_SHAPE_OF[kernel](args), kernel
+    assert SHAPE_OF["rope_kv_write"](samples["rope_kv_write"]) == {"B": 2, "Hq": 4, "Hkv": 2, "D": 16, "S": 64}
+
+
+def _rope_kv_write_reference(qkv, cos, sin, positions, k_cache, v_cache):
+    """The rope_kv_write contract (branch ropekv's spec), written out: q_out returned, k and v
+    written into the caches at each row's position."""
+    from kernelsearch.specs.rope import rope_native
+
+    hkv = k_cache.shape[1]
+    hq = qkv.shape[1] - 2 * hkv
+    q, k = rope_native(qkv[:, :hq], qkv[:, hq:hq + hkv], cos, sin)
+    rows = torch.arange(qkv.shape[0])
+    k_cache[rows, :, positions] = k
+    v_cache[rows, :, positions] = qkv[:, hq + hkv:]
+    return q.contiguous()
+
+
+def test_rope_kv_write_goes_to_the_table_with_the_spec_contract_where_it_has_an_entry():
+    from daemon.bench.ops import TunedOps, describe_kernels, kernels_per_layer
+
+    table = RecordingTable({"rope_kv_write": _rope_kv_write_reference})
+    ops = TunedOps(table, "test table")
+    model, (got, kv), (want, kv_want) = _step_pair(ops)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv, kv_want, rtol=1e-5, atol=1e-5)
+    calls = [args for kernel, args in table.calls if kernel == "rope_kv_write"]
+    assert len(calls) == model.cfg.layers
+    cos, sin = model.rope_cos_sin(torch.tensor([16, 3]))
+    for i, (qkv, c, s, positions, k_cache, v_cache) in enumerate(calls):
+        assert qkv.shape == (2, model.cfg.qkv_heads, model.cfg.head_dim)
+        assert torch.equal(c, cos) and torch.equal(s, sin)  # [B, D], computed once per step
+        assert c is calls[0][1]                              # shared by every layer
+        assert positions.dtype == torch.int64 and positions.tolist() == [16, 3]
+        assert k_cache.data_ptr() == model.kv[i, 0].data_ptr() and v_cache.data_ptr() == model.kv[i, 1].data_ptr()
+    used = describe_kernels(ops, model.cfg, 2, model.s_max, "float32")
+    assert used["rope + kv write"]["impl"].startswith("tuned test.rope_kv_write")
+    assert used["rope + kv write"]["against"] == "the test's stock" and used["rope + kv write"]["speedup"] == 2.0
+    assert used["matmul qkv"]["impl"] == "stock"
+    counts = kernels_per_layer(ops, model.cfg, 2, model.s_max, "float32")
+    stock = kernels_per_layer(StockOps(), model.cfg, 2, model.s_max, "float32")
+    assert counts["rope + kv write"] == 1 and stock["rope + kv write"] == 4
+    assert counts["total"] == stock["total"] - 3
+
+
+def test_a_tuned_step_with_wrong_logits_is_an_error_naming_the_op_and_nothing_is_dropped():
+    from daemon.bench.ops import TunedOps, cache_len
+    from daemon.bench.run import Bench
+
+    def bad_swiglu(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.sigmoid(gate) * up  # not silu
+
+    table = RecordingTable({"swiglu": bad_swiglu, "rope_kv_write": _rope_kv_write_reference})
+    ops = TunedOps(table, "test table")
+    model = Model(PRESETS["tiny"], device="cpu", dtype=torch.float32)
+    model.allocate_cache(2, cache_len(16))
+    model.fill_cache_random()
+    tokens, positions = torch.tensor([3, 5]), torch.tensor([16, 16])
+    ref = model.decode_step(tokens, positions, StockOps()).float()
+    problem = Bench._check_tuned(model, tokens, positions, ops, ref, 1e-3)
+    assert problem and "logits differ" in problem and "swiglu" in problem and "rope_kv_write" not in problem
+    assert ops.stock_only == set() and ops.tuned_kernels() == ["rope_kv_write", "swiglu"]
+    good = TunedOps(RecordingTable({"rope_kv_write": _rope_kv_write_reference}), "test table")
+    assert Bench._check_tuned(model, tokens, positions, good, ref, 1e-3) is None
+
+
+def test_ensure_table_searches_only_the_missing_shapes_within_the_budget_and_then_covers_them(tmp_path):
+    from daemon.bench.autotable import ensure_table
+
+    state = tmp_path / "state"
+    shapes = {"rmsnorm": [{"M": 2, "N": 64}], "no_such_kernel": [{"M": 1}]}
+    lines, details = [], []
+    table, note = ensure_table(state_dir=state, device="cpu", dtype="fp32", shapes=shapes, budget_s=0,
+                               progress=lines.append, details=details)
+    assert table is None and "time budget" in note and not (state / "ledger.sqlite").exists()
+    assert {d["kernel"]: d["result"] for d in details} == {"rmsnorm": "not searched: time budget",
+                                                           "no_such_kernel": "not searched: no spec here (stock)"}
+    lines, details = [], []
+    table, note = ensure_table(state_dir=state, device="cpu", dtype="fp32", shapes=shapes, budget_s=120,
+                               progress=lines.append, details=details, evals=1)
+    assert table is not None and table.path.parent == state / "dispatch", note
+    assert any("search rmsnorm on 1 shape(s): M=2 N=64" in line for line in lines), lines
+    assert "searched 1 of 2 missing decode shapes" in note and "no_such_kernel" in note
+    row = next(d for d in details if d["kernel"] == "rmsnorm")
+    assert row["against"] == "torch.nn.functional.rms_norm" and row["dtype"] == "float32" and "kept" in row
+    lines = []
+    again, note = ensure_table(state_dir=state, device="cpu", dtype="float32", shapes={"rmsnorm": shapes["rmsnorm"]},
+                               budget_s=120, progress=lines.append)
+    assert not any("search rmsnorm" in line for line in lines) and "covers all 1" in note
+    # a table given explicitly is used as it is, never searched into
+    given = tmp_path / "given.json"
+    given.write_text(json.dumps({"format": 1, "entries": []}))
+    lines = []
+    t, note = ensure_table(state_dir=tmp_path / "other", device="cpu", dtype="float32", shapes=shapes,
+                           budget_s=120, table_path=given, progress=lines.append)
+    assert t is not None and t.path == given and "not searched into" in note and not lines
+    assert not (tmp_path / "other").exists()
 
 def test_report_never_divides_one_workload_by_another_and_notes_a_dtype_change():
     from daemon.bench import report
@@ -330,8 +449,8 @@ def test_report_never_divides_one_workload_by_another_and_notes_a_dtype_change()
     assert "dtypes differ (bf16 vs fp16)" in md
     same = dict(base, dtype="bf16", workload={"command": "serve-bench --model a", "metric": 100.0})
     assert " 2.00 |" in report.markdown(run, same, png_name=None)
-    # The tuned variant runs a fused RoPE+KV-write kernel: the note must not say otherwise.
-    assert "RoPE-as-one-bmm" not in FAIR_NOTE and "fused Triton RoPE+KV-write" in FAIR_NOTE
+    # The tuned variant may run the table's RoPE+KV-write kernel: the note must not deny it.
+    assert "RoPE-as-one-bmm" not in FAIR_NOTE and "dispatch table" in FAIR_NOTE
 
 
 def test_virtualization_is_unknown_when_nothing_could_be_read(tmp_path):
@@ -345,3 +464,101 @@ def test_virtualization_is_unknown_when_nothing_could_be_read(tmp_path):
     doc = {"fingerprint": {"virtualization": v}}
     base = {"fingerprint": {"virtualization": {"virtualized": True}}}
     assert not any("Bare metal" in n for n in notes(doc, base))
+
+
+VERIFIED_CHILD = textwrap.dedent('''
+    import json, sys
+    import torch
+    from daemon.bench.model import PRESETS, Model
+    from daemon.bench.ops import StockOps, TunedOps, cache_len, describe_kernels, kernels_per_layer
+    from kernelsearch.dispatch import DispatchTable
+    from tests.tuned_tables import verified_table
+
+    cfg, B, CTX = PRESETS["tiny"], 2, 16
+    S = cache_len(CTX)
+    table = verified_table([
+        ("add_rmsnorm", {"M": B, "N": cfg.hidden}, "float32", {}),
+        ("swiglu", {"M": B, "I": cfg.ffn}, "float32", {}),
+        ("matmul", {"M": B, "K": cfg.hidden, "N": cfg.qkv_heads * cfg.head_dim}, "float32",
+         {"variant": "splitk", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8,
+          "SPLIT_K": 2, "FMA": 1, "num_warps": 4, "num_stages": 2, "REDUCE": "last"}),
+        ("decode_attention", {"B": B, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "S": S, "D": cfg.head_dim},
+         "float32", {"BLOCK_S": 16, "NUM_SPLITS": 2, "num_warps": 4, "num_stages": 1}),
+    ])
+    table.save(sys.argv[1])
+    small = DispatchTable(table.to_json())  # one cheap entry: what the CLI test runs 40+ steps of
+    small.entries = [e for e in small.entries if e.kernel == "swiglu"]
+    small.save(sys.argv[2])
+    model = Model(cfg, device="cpu", dtype=torch.float32)
+    model.allocate_cache(B, S)
+    model.fill_cache_random()
+    tokens, positions = torch.tensor([3, 5]), torch.tensor([CTX, 7])
+    before = model.kv.clone()
+    want = model.decode_step(tokens, positions, StockOps())
+    kv_want = model.kv.clone()
+    model.kv.copy_(before)
+    ops = TunedOps(table, "verified")
+    got = model.decode_step(tokens, positions, ops)
+    used = describe_kernels(ops, cfg, B, S, "float32")
+    print(json.dumps({
+        "err": float((got - want).abs().max()), "kv_err": float((model.kv - kv_want).abs().max()),
+        "counts": {f"{k}:{r}": n for (k, r), n in table.counts.items()},
+        "impl": {label: u["impl"] for label, u in used.items()},
+        "launches": {label: u.get("launches") for label, u in used.items()},
+        "per_layer": kernels_per_layer(ops, cfg, B, S, "float32"),
+        "per_layer_stock": kernels_per_layer(StockOps(), cfg, B, S, "float32")}))
+''')
+
+
+@pytest.fixture(scope="module")
+def verified_run(tmp_path_factory):
+    """A table of harness-verified template entries at the tiny model's decode shapes (made in a
+    child with TRITON_INTERPRET=1), and one tuned decode step through it."""
+    import os
+    import subprocess
+
+    from conftest import ROOT
+
+    path = tmp_path_factory.mktemp("verified") / "table.json"
+    small = path.with_name("swiglu-only.json")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", VERIFIED_CHILD, str(path), str(small)], cwd=ROOT, env=env,
+                          text=True, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), small
+
+
+def test_tuned_step_runs_the_tables_verified_kernels_on_the_interpreter_and_stock_elsewhere(verified_run):
+    report, _ = verified_run
+    assert report["err"] < 1e-4 and report["kv_err"] < 1e-5
+    layers = PRESETS["tiny"].layers
+    # add_rmsnorm: 2 per layer but the first, plus the final norm; matmul: only the qkv shape
+    assert report["counts"] == {"add_rmsnorm:tuned": 2 * layers, "swiglu:tuned": layers,
+                                "matmul:tuned": layers, "decode_attention:tuned": layers}
+    impl = report["impl"]
+    for label, module in (("add_rmsnorm (mlp)", "add_rmsnorm"), ("swiglu", "swiglu"), ("matmul qkv", "matmul"),
+                          ("decode_attention", "decode_attention")):
+        assert impl[label].startswith(f"tuned kernelsearch.kernels.{module} "), impl
+    for label in ("rmsnorm (layer 0)", "matmul o", "matmul gate_up", "matmul down", "lm_head", "rope + kv write"):
+        assert impl[label] == "stock", impl
+    per_layer, stock = report["per_layer"], report["per_layer_stock"]
+    assert per_layer["swiglu"] == report["launches"]["swiglu"] >= 1 and stock["swiglu"] == 2
+    assert per_layer["decode_attention"] == report["launches"]["decode_attention"] + 1  # + the q copy (B > 1)
+    assert per_layer["matmul o"] == 1 and per_layer["total"] == sum(v for k, v in per_layer.items() if k != "total")
+
+
+def test_bench_with_a_given_table_runs_its_entries_and_does_not_search(verified_run, tmp_path, hwtune_cli):
+    _, path = verified_run
+    proc = hwtune_cli("--state-dir", tmp_path / "state", "bench", "--device", "cpu", "--shapes", "2x16",
+                      "--prefill", "1x8", "--steps", "20", "--warmup", "1", "--variants", "eager,tuned",
+                      "--table", path, "--json", check=True, timeout=300)
+    doc = json.loads(proc.stdout)
+    tuned = next(r for r in doc["decode"] if r["variant"] == "tuned")
+    assert tuned["status"] == "ok" and tuned["rel_l2_vs_eager"] < 1e-4, tuned
+    assert tuned["kernels"]["swiglu"].startswith("tuned kernelsearch.kernels.swiglu")
+    assert "no speedup recorded" in tuned["kernels"]["swiglu"]  # the entry's own speedup field
+    assert tuned["kernels"]["matmul o"].startswith("stock (no table entry")
+    assert "not searched into" in doc["kernel_table"]["note"] and doc["kernel_table"]["search"] == []
+    assert "autotable" not in proc.stderr and not (tmp_path / "state" / "ledger.sqlite").exists()
+    from daemon.bench.report import interpreted
+    assert interpreted(doc, tuned)
