@@ -183,6 +183,12 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
                             "stock_ms": r.to_json()["stock_ms"], "best_ms": best.get("candidate_ms"),
                             "params": best.get("params")})
             progress(f"autotable: {kernel} {_describe(r.shape)} {r.dtype}: {what}")
+    if call_s:  # the search's executor child keeps a device context and its memory: the
+        try:      # measurements that follow should not share the device with it
+            from kernelsearch.harness import runner
+            runner.discard(device)
+        except Exception:
+            pass
     table, note = _load(path) if path.exists() else (None, f"no dispatch table at {path}")
     tuned, n = _tuned_count(table, shapes, dtype)
     done = kept + stock_won

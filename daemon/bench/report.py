@@ -144,6 +144,15 @@ def markdown(doc: dict, base: dict | None = None, png_name: str | None = "report
             with_head = f.get("floor_with_head_ms")
             lines.append(f"| {f['batch']} | {f['ctx']} | {gb:.3f} | {f['floor_ms']:.3f} | "
                          f"{format(with_head, '.3f') if with_head else '-'} |")
+    table = doc.get("kernel_table") or {}
+    if table.get("note"):
+        lines += ["", "## Dispatch table of the tuned variant", "", table["note"]]
+    if table.get("search"):
+        lines += ["", "Searched before measuring (kernelsearch's search: its keep rule, its timer):", "",
+                  "| kernel | shape | dtype | result |", "|---|---|---|---|"]
+        for d in table["search"]:
+            shape = " ".join(f"{k}={v}" for k, v in (d.get("shape") or {}).items())
+            lines.append(f"| {d.get('kernel')} | {shape} | {d.get('dtype')} | {d.get('result')} |")
     if doc.get("tuned_kernels"):
         lines += ["", "## Kernels the tuned variant used", ""]
         for shape, used in doc["tuned_kernels"].items():
