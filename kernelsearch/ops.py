@@ -8,6 +8,11 @@
                                                               cos, sin [..., D] -> (q_out, k_out)
     torch.ops.hwtune.decode_attention(q, k_cache, v_cache, seq_lens, scale)
                                                               q [B, Hq, D], caches [B, Hkv, S, D]
+    torch.ops.hwtune.rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache) -> q_out
+                                                              qkv [B, Hq + 2 Hkv, D], cos, sin [B, D]
+                                                              (or [1, D]), positions int64 [B],
+                                                              caches [B, Hkv, S, D] contiguous,
+                                                              written in place (mutates_args)
 
 Each op has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through it as
 one opaque node and CUDA graphs capture whatever it launches. The real implementation flattens
@@ -180,8 +185,43 @@ def _(q, k_cache, v_cache, seq_lens, scale, table=0):
     return q.new_empty(q.shape)
 
 
-OPS = {"rms_norm": "rmsnorm", "add_rms_norm": "add_rmsnorm", "linear": "linear", "swiglu": "swiglu",
-       "rope": "rope", "decode_attention": "decode_attention"}  # op name -> kernel (spec) name
+# --- rope_kv_write --------------------------------------------------------------------------
+def _kv_args(qkv, cos, sin, positions, k_cache, v_cache):
+    _same_dtype("rope_kv_write", qkv, cos, sin, k_cache, v_cache)
+    b, h_all, d = qkv.shape
+    hkv = k_cache.shape[1]
+    if k_cache.dim() != 4 or tuple(v_cache.shape) != tuple(k_cache.shape) or k_cache.shape[0] != b or \
+            k_cache.shape[3] != d or h_all <= 2 * hkv or positions.shape != (b,):
+        raise ValueError(f"hwtune::rope_kv_write: qkv{tuple(qkv.shape)} k_cache{tuple(k_cache.shape)} "
+                         f"v_cache{tuple(v_cache.shape)} positions{tuple(positions.shape)}")
+    # written in place: a copy would take the writes away from the caller's cache
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("hwtune::rope_kv_write: k_cache and v_cache must be contiguous")
+    return h_all - 2 * hkv
 
-__all__ = ["rms_norm", "add_rms_norm", "linear", "swiglu", "rope", "decode_attention", "table_handle",
-           "table_of", "run", "OPS"]
+
+@torch.library.custom_op("hwtune::rope_kv_write", mutates_args=("k_cache", "v_cache"))
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, table: int = 0) -> torch.Tensor:
+    _kv_args(qkv, cos, sin, positions, k_cache, v_cache)
+    b, _, d = qkv.shape
+    # cos/sin may come broadcast over the batch (Hugging Face's position_ids of batch 1)
+    cos = cos.reshape(-1, d).expand(b, d).contiguous()
+    sin = sin.reshape(-1, d).expand(b, d).contiguous()
+    (q_out,) = run("rope_kv_write", table, qkv.contiguous(), cos, sin,
+                   positions.to(torch.int64).contiguous(), k_cache, v_cache)
+    return q_out
+
+
+@rope_kv_write.register_fake
+def _(qkv, cos, sin, positions, k_cache, v_cache, table=0):
+    hq = _kv_args(qkv, cos, sin, positions, k_cache, v_cache)
+    return qkv.new_empty((qkv.shape[0], hq, qkv.shape[2]))
+
+
+OPS = {"rms_norm": "rmsnorm", "add_rms_norm": "add_rmsnorm", "linear": "linear", "swiglu": "swiglu",
+       "rope": "rope", "decode_attention": "decode_attention",
+       "rope_kv_write": "rope_kv_write"}  # op name -> kernel (spec) name
+
+__all__ = ["rms_norm", "add_rms_norm", "linear", "swiglu", "rope", "decode_attention", "rope_kv_write",
+           "table_handle", "table_of", "run", "OPS"]
