@@ -11,8 +11,9 @@ DEVICE`); JSON lines each way on dedicated pipes. Requests:
   exit
 Each check draws fresh inputs from a generator seeded by `secrets` (no seed leaves this
 process), fresh scalar arguments (eps, scale) from the op's range, and a fresh poison (NaN,
-huge finite or random values) for the outputs and scratch workspaces. Every buffer sits
-between canary zones checked after each call; under the Triton interpreter every load and
+huge finite or random values) for the outputs, for the rows of in/out tensors the op writes
+(spec.written; every other byte of those must keep its input value) and for scratch
+workspaces. Every buffer sits between canary zones checked after each call; under the Triton interpreter every load and
 store is also bounds-checked against the launch's own buffers. The timed runs replay a CUDA
 graph of `n` calls, each on its own buffers, with fresh inputs before every replay; every
 replay's outputs are checked.

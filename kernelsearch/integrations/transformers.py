@@ -13,12 +13,15 @@ of the model changes:
 - the MLP -> one gate|up projection (hwtune::linear on the two weights concatenated),
   hwtune::swiglu, then hwtune::linear for down;
 - attention -> one q|k|v projection (biases concatenated too, Qwen2 has them), hwtune::rope on
-  the model's own cos/sin (any RoPE variant the model computes arrives folded into them), the
-  cache's own update (the KV write stays stock: the harness has no in/out argument), then at
-  decode (one token, a StaticCache full-attention layer, an SDPA or eager mask)
-  hwtune::decode_attention over the whole static cache with each sequence's valid length read
-  from the mask; anywhere else (prefill, other caches) the model's own attention function;
-  o_proj through hwtune::linear;
+  the model's own cos/sin (any RoPE variant the model computes arrives folded into them) and
+  the cache's own update; at decode (one token) on an initialised StaticCache full-attention
+  layer instead hwtune::rope_kv_write on the fused q|k|v, which writes RoPE'd k and v straight
+  into the layer's own `keys` / `values` at its `cumulative_length` (advanced as
+  StaticLayer.update advances it) and returns RoPE'd q (not for Qwen3: its q_norm / k_norm sit
+  between the projection and RoPE; not with an offloading cache); then at decode (a StaticCache
+  full-attention layer, an SDPA or eager mask) hwtune::decode_attention over the whole static
+  cache with each sequence's valid length read from the mask; anywhere else (prefill, other
+  caches) the model's own attention function; o_proj through hwtune::linear;
 - lm_head -> hwtune::linear.
 Routing is per shape and read from the dispatch table once, at patch time: a call whose shape
 has a tuned, verified kernel for this device goes through the hwtune op (which runs it); any
