@@ -25,7 +25,8 @@ def _valid(p: dict) -> bool:
     return p["num_warps"] <= max(1, p["HEADS_PER_PROG"] // 2)
 
 
-_DEFAULT = {"HEADS_PER_PROG": 4, "num_warps": 2}
+# [4 heads, 64] bf16 halves over one warp: 8 elements, 16 bytes, per thread and load (D = 128)
+_DEFAULT = {"HEADS_PER_PROG": 4, "num_warps": 1}
 CONFIGS = [_DEFAULT] + [p for p in (dict(zip(SPACE, v)) for v in itertools.product(*SPACE.values()))
                         if _valid(p) and p != _DEFAULT]
 
@@ -72,7 +73,7 @@ def _rope_kv_write_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, k_ptr, v_ptr, qo_p
         tl.store(dst + HALF, tl.load(src + HALF, mask=ok, other=0.0), mask=ok)
 
 
-def launch(qkv, cos, sin, positions, k_cache, v_cache, q_out, HEADS_PER_PROG=4, num_warps=2):
+def launch(qkv, cos, sin, positions, k_cache, v_cache, q_out, HEADS_PER_PROG=4, num_warps=1):
     B, H_all, D = qkv.shape
     Bk, Hkv, S, Dk = k_cache.shape
     Hq = H_all - 2 * Hkv
