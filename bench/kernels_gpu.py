@@ -31,8 +31,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SEARCH_SHARE = 0.6          # of a kernel's budget for the search; the rest for the peers
-# Shorter than @triton.autotune's do_bench defaults (25 / 100 ms) so that the pick fits the budget.
-AUTOTUNE_WARMUP_MS, AUTOTUNE_REP_MS = 5, 20
 # Every speedup printed is tuned vs one of these (that column's time / tuned's).
 COLUMNS = {
     "tuned": "DispatchTable.call on the search's table: the verified plan where a winner was kept, "
@@ -42,8 +40,9 @@ COLUMNS = {
     "graph": "the spec's stock_call in a CUDA graph",
     "compile": "torch.compile(stock_call, dynamic=False) in a CUDA graph (CUDA only)",
     "liger": "Liger Kernel's op (functional API), where it has one and imports",
-    "autotune": "@triton.autotune's rule over the configs the search accepted here: do_bench median of "
-                "each one's launch plan, fastest kept, then timed like the rest",
+    "autotune": "@triton.autotune's rule over the configs the search accepted here: its benchmarker's "
+                "median for each one's launch plan, fastest kept, then timed like the rest (* = only part "
+                "of them in the time budget)",
 }
 _T0 = time.time()
 
@@ -191,8 +190,9 @@ def liger_ops() -> dict:
 
 
 def autotune(kernel, spec, rep, accepted: list[dict], device: str, gen, deadline: float) -> dict:
-    """@triton.autotune's rule (do_bench median per config, keep the minimum) over the configs
-    the search accepted here, each run as its launch plan: the template is never imported."""
+    """@triton.autotune's rule (triton.runtime.autotuner: the driver's benchmarker, quantiles
+    (0.5, 0.2, 0.8), keep the minimum) over the configs the search accepted here, each run as its
+    launch plan: the template is never imported."""
     from kernelsearch.dispatch import Entry, TunedKernel, source_text
     from kernelsearch.harness import plan_client, timing
     from kernelsearch.specs import dtype_from_name
@@ -206,9 +206,11 @@ def autotune(kernel, spec, rep, accepted: list[dict], device: str, gen, deadline
     if not reply.get("ok"):
         return {"time_ms": math.inf, "error": f"planning: {reply.get('reason', '')[:200]}"}
     if device.startswith("cuda"):
-        from triton.testing import do_bench
-    bench = (lambda f: do_bench(f, warmup=AUTOTUNE_WARMUP_MS, rep=AUTOTUNE_REP_MS)) if device.startswith("cuda") \
-        else (lambda f: timing.time_cpu(f).median_ms)
+        from triton.runtime import driver
+
+        bench = lambda f: driver.active.get_benchmarker()(f, quantiles=(0.5, 0.2, 0.8))[0]  # noqa: E731
+    else:
+        bench = lambda f: timing.time_cpu(f).median_ms  # noqa: E731
     inputs = spec.make_inputs(rep.shape, dt, device, gen, spec.distributions_for(dt)[0])
     args, outs = [inputs[n] for n in spec.arg_names], spec.make_outputs(dims, dt, device)
     best, tried = None, 0
@@ -349,10 +351,12 @@ def table_text(res: dict) -> str:
              f"{res['search_s']} s; total {res['total_s']} s; stock = {res['stock_name']})",
              " | ".join(["shape", "dtype", "route", *COLUMNS, "% roofline"])]
     for r in res["shapes"]:
+        cells = {c: cell(r["columns"].get(c), r["speedup"].get(c)) for c in COLUMNS}
+        at = r["columns"]["autotune"]
+        cells["autotune"] += "*" if at.get("tried", 0) < at.get("of", 0) else ""
         roof = f"{r['pct_of_roofline']:.0f}% ({r['bound']})" if "pct_of_roofline" in r else "-"
         lines.append(" | ".join([" ".join(f"{k}={v}" for k, v in r["shape"].items() if k != "dtype"),
-                                 r["dtype"], r["route"],
-                                 *[cell(r["columns"].get(c), r["speedup"].get(c)) for c in COLUMNS], roof]))
+                                 r["dtype"], r["route"], *cells.values(), roof]))
     lines.append("(Nx) after a time: tuned vs that column (its time / tuned's); WRONG: outside the spec's "
                  "tolerance, no speedup; n/a: no such peer; -: failed or skipped (kernels_gpu.json says why)")
     return "\n".join(lines)
