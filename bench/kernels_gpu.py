@@ -195,13 +195,14 @@ def autotune(kernel, spec, rep, accepted: list[dict], device: str, gen, deadline
     launch plan: the template is never imported."""
     from kernelsearch.dispatch import Entry, TunedKernel, source_text
     from kernelsearch.harness import plan_client, timing
+    from kernelsearch.kernels import TEMPLATES
     from kernelsearch.specs import dtype_from_name
 
-    if not accepted or not rep.best:
-        return {"time_ms": math.inf, "error": "no config accepted at this shape"}
-    t0, dt = time.time(), dtype_from_name(rep.dtype)
+    if not accepted:
+        return {"time_ms": math.inf, "error": "no template config accepted at this shape"}
+    t0, dt, source = time.time(), dtype_from_name(rep.dtype), {"module": TEMPLATES[kernel]}
     dims = {k: v for k, v in rep.shape.items() if k != "dtype"}
-    text, _ = source_text(rep.best["source"])
+    text, _ = source_text(source)
     reply = plan_client.request_plans(text, spec, [(dims, rep.dtype)], accepted, plan_client.device_info(device))
     if not reply.get("ok"):
         return {"time_ms": math.inf, "error": f"planning: {reply.get('reason', '')[:200]}"}
@@ -221,7 +222,7 @@ def autotune(kernel, spec, rep, accepted: list[dict], device: str, gen, deadline
             continue
         tried += 1
         try:
-            tk = TunedKernel(Entry.make(kernel=kernel, dtype=rep.dtype, shape=dims, source=rep.best["source"],
+            tk = TunedKernel(Entry.make(kernel=kernel, dtype=rep.dtype, shape=dims, source=source,
                                         params=params, plan=plan), spec, text)
             ms = bench(lambda: tk(args, outs))
         except Exception as exc:
@@ -238,7 +239,7 @@ def autotune(kernel, spec, rep, accepted: list[dict], device: str, gen, deadline
         o = spec.make_outputs(dims, dt, device)
         tk([i[n] for n in spec.arg_names], o)
         return o
-    return {**column(picked, spec, rep.shape, dt, device, gen), "params": best[1], "do_bench_ms": best[0], **info}
+    return {**column(picked, spec, rep.shape, dt, device, gen), "params": best[1], "benchmarker_ms": best[0], **info}
 
 
 # ----------------------------------------------------------------------------- one kernel
@@ -254,11 +255,12 @@ def ledger_configs(state: Path, result) -> dict:
                 ok = a["accepted"] and math.isfinite(a["candidate_ms"])
                 rows.setdefault((a["dtype"], canonical({d: v for d, v in a["shape"].items() if d != "dtype"})), []) \
                     .append({"params": a["params"], "time_ms": a["candidate_ms"] if ok else math.inf,
-                             "status": "ok" if ok else (a["guard"] or "rejected")})
+                             "status": "ok" if ok else (a["guard"] or "rejected"), "source": json.loads(a["source"])})
     return rows
 
 
 def measure_shape(kernel, spec, rep, table, configs, peers: dict, device, gen, ceilings, deadline) -> dict:
+    from kernelsearch.kernels import TEMPLATES
     from kernelsearch.roofline import classify
     from kernelsearch.specs import dtype_from_name
 
@@ -285,7 +287,9 @@ def measure_shape(kernel, spec, rep, table, configs, peers: dict, device, gen, c
     for name, fn in peers.items():
         cols[name] = column(fn, spec, rep.shape, dt, device, gen) if time.time() < deadline else \
             {"time_ms": math.inf, "error": "skipped: kernel budget spent"}
-    cols["autotune"] = autotune(kernel, spec, rep, [c["params"] for c in configs if c["status"] == "ok"],
+    template = {"module": TEMPLATES[kernel]}
+    cols["autotune"] = autotune(kernel, spec, rep, [c["params"] for c in configs
+                                                    if c["status"] == "ok" and c["source"] == template],
                                 device, gen, deadline)
     row.update(columns=cols, speedup=speedups(cols))
     if ceilings.get("copy_gb_s") and not cols["tuned"].get("wrong"):
