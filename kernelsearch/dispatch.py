@@ -189,6 +189,8 @@ class DispatchTable:
         if kernel not in SHAPE_OF:
             raise KeyError(f"dispatch: unknown kernel {kernel!r}")
         first = args[0]
+        if not self.entries:
+            return None, None, "empty table"
         if not self._fingerprint_ok(first.device.type):
             return None, None, "fingerprint mismatch"
         from kernelsearch.specs import dtype_name
@@ -208,15 +210,16 @@ class DispatchTable:
         from kernelsearch.specs import get_spec
 
         spec = get_spec(kernel)
-        shape = SHAPE_OF[kernel](args)
-        outputs = spec.make_outputs(shape, args[0].dtype, args[0].device)
         tuned, params, why = self.route(kernel, *args)
         route = "tuned" if tuned is not None else "stock"
         self.counts[(kernel, route)] = self.counts.get((kernel, route), 0) + 1
         if tuned is not None:
+            outputs = spec.make_outputs(SHAPE_OF[kernel](args), args[0].dtype, args[0].device)
             tuned(args, outputs)
         else:
-            spec.stock(dict(zip(spec.arg_names, args)), outputs)
+            # Stock as a user calls it (new tensors): the fallback costs what stock costs,
+            # not stock plus a copy into preallocated outputs.
+            outputs = spec.stock_call(dict(zip(spec.arg_names, args)))
         result = tuple(outputs[n] for n in spec.out_names)
         return result[0] if len(result) == 1 else result
 

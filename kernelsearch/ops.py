@@ -62,23 +62,18 @@ def table_of(handle: int) -> dispatch.DispatchTable | None:
 
 def run(kernel: str, handle: int, *args) -> tuple:
     """One call of `kernel` on contract-shaped `args`: tuned where the table has the shape, else
-    the spec's stock_call. Returns the outputs in the spec's order (new tensors)."""
-    spec = get_spec(kernel)
+    the spec's stock_call (DispatchTable.call decides and counts). Returns the outputs in the
+    spec's order (new tensors)."""
     table = table_of(handle)
-    tuned = None
-    if table is not None:
-        if table.entries:
-            tuned, _, _ = table.route(kernel, *args)
-        route = "tuned" if tuned is not None else "stock"
-        table.counts[(kernel, route)] = table.counts.get((kernel, route), 0) + 1
-    if tuned is not None:
-        first = args[0]
-        outputs = spec.make_outputs(dispatch.SHAPE_OF[kernel](args), first.dtype, first.device)
-        tuned(args, outputs)
+    if table is None:
+        spec = get_spec(kernel)
+        got = spec.stock_call(dict(zip(spec.arg_names, args)))
+        outputs = tuple(got[n] for n in spec.out_names)
     else:
-        outputs = spec.stock_call(dict(zip(spec.arg_names, args)))
+        out = table.call(kernel, *args)
+        outputs = out if isinstance(out, tuple) else (out,)
     # contiguous, as the fake implementations promise (SDPA may hand back a transposed layout)
-    return tuple(outputs[n].contiguous() for n in spec.out_names)
+    return tuple(o.contiguous() for o in outputs)
 
 
 def _same_dtype(op: str, *tensors) -> None:
