@@ -99,6 +99,8 @@ def decode_shapes(config, batch: int, context: int) -> dict[str, list[dict]]:
         "swiglu": [{"M": batch, "I": i}],
         "rope": [{"B": batch, "Hq": hq, "Hkv": hkv, "D": d}],
         "decode_attention": [{"B": batch, "Hq": hq, "Hkv": hkv, "S": context, "D": d}],
+        # RoPE + the StaticCache write of k and v (the patch's decode path where tuned)
+        "rope_kv_write": [{"B": batch, "Hq": hq, "Hkv": hkv, "D": d, "S": context}],
     }
 
 

@@ -76,6 +76,12 @@ def _rope_shape(args) -> dict:
     return {"B": int(b), "Hq": int(hq), "Hkv": int(args[1].shape[1]), "D": int(d)}
 
 
+def _rope_kv_write_shape(args) -> dict:
+    b, h_all, d = args[0].shape
+    _, hkv, s, _ = args[4].shape   # k_cache
+    return {"B": int(b), "Hq": int(h_all) - 2 * int(hkv), "Hkv": int(hkv), "D": int(d), "S": int(s)}
+
+
 # How a call's arguments give the shape keys the specs' sweeps use.
 SHAPE_OF = {
     "rmsnorm": _x_shape,
@@ -86,6 +92,7 @@ SHAPE_OF = {
     "linear": _linear_shape,
     "swiglu": _swiglu_shape,
     "rope": _rope_shape,
+    "rope_kv_write": _rope_kv_write_shape,
 }
 
 
@@ -182,6 +189,8 @@ class DispatchTable:
         if kernel not in SHAPE_OF:
             raise KeyError(f"dispatch: unknown kernel {kernel!r}")
         first = args[0]
+        if not self.entries:
+            return None, None, "empty table"
         if not self._fingerprint_ok(first.device.type):
             return None, None, "fingerprint mismatch"
         from kernelsearch.specs import dtype_name
@@ -201,15 +210,16 @@ class DispatchTable:
         from kernelsearch.specs import get_spec
 
         spec = get_spec(kernel)
-        shape = SHAPE_OF[kernel](args)
-        outputs = spec.make_outputs(shape, args[0].dtype, args[0].device)
         tuned, params, why = self.route(kernel, *args)
         route = "tuned" if tuned is not None else "stock"
         self.counts[(kernel, route)] = self.counts.get((kernel, route), 0) + 1
         if tuned is not None:
+            outputs = spec.make_outputs(SHAPE_OF[kernel](args), args[0].dtype, args[0].device)
             tuned(args, outputs)
         else:
-            spec.stock(dict(zip(spec.arg_names, args)), outputs)
+            # Stock as a user calls it (new tensors): the fallback costs what stock costs,
+            # not stock plus a copy into preallocated outputs.
+            outputs = spec.stock_call(dict(zip(spec.arg_names, args)))
         result = tuple(outputs[n] for n in spec.out_names)
         return result[0] if len(result) == 1 else result
 
@@ -279,12 +289,13 @@ class TunedKernel:
         self.plan = plan_mod.validate(
             _thaw(entry.plan), kernels=checked.kernels, roles=roles,
             inputs={a["name"] for a in self.signature if a.get("role") == "input"},
+            inouts={a["name"] for a in self.signature if a.get("role") == "inout"},
             scalars={a["name"] for a in self.signature if a["kind"] == "scalar"},
             workspace_budget_bytes=max(1 << 30, 4 * sum(roles.values())))
         self.persistent: dict = {}   # (device, buffer id) -> zeroed tensor kept across calls
 
     def accepts(self, args) -> bool:
-        tensors = [a for a in self.signature if a["kind"] == "tensor" and a["role"] == "input"]
+        tensors = [a for a in self.signature if a["kind"] == "tensor" and a["role"] in ("input", "inout")]
         by_name = dict(zip(self.spec.arg_names, args))
         for meta in tensors:
             t = by_name.get(meta["name"])

@@ -8,6 +8,11 @@
                                                               cos, sin [..., D] -> (q_out, k_out)
     torch.ops.hwtune.decode_attention(q, k_cache, v_cache, seq_lens, scale)
                                                               q [B, Hq, D], caches [B, Hkv, S, D]
+    torch.ops.hwtune.rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache) -> q_out
+                                                              qkv [B, Hq + 2 Hkv, D], cos, sin [B, D]
+                                                              (or [1, D]), positions int64 [B],
+                                                              caches [B, Hkv, S, D] contiguous,
+                                                              written in place (mutates_args)
 
 Each op has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through it as
 one opaque node and CUDA graphs capture whatever it launches. The real implementation flattens
@@ -57,23 +62,18 @@ def table_of(handle: int) -> dispatch.DispatchTable | None:
 
 def run(kernel: str, handle: int, *args) -> tuple:
     """One call of `kernel` on contract-shaped `args`: tuned where the table has the shape, else
-    the spec's stock_call. Returns the outputs in the spec's order (new tensors)."""
-    spec = get_spec(kernel)
+    the spec's stock_call (DispatchTable.call decides and counts). Returns the outputs in the
+    spec's order (new tensors)."""
     table = table_of(handle)
-    tuned = None
-    if table is not None:
-        if table.entries:
-            tuned, _, _ = table.route(kernel, *args)
-        route = "tuned" if tuned is not None else "stock"
-        table.counts[(kernel, route)] = table.counts.get((kernel, route), 0) + 1
-    if tuned is not None:
-        first = args[0]
-        outputs = spec.make_outputs(dispatch.SHAPE_OF[kernel](args), first.dtype, first.device)
-        tuned(args, outputs)
+    if table is None:
+        spec = get_spec(kernel)
+        got = spec.stock_call(dict(zip(spec.arg_names, args)))
+        outputs = tuple(got[n] for n in spec.out_names)
     else:
-        outputs = spec.stock_call(dict(zip(spec.arg_names, args)))
+        out = table.call(kernel, *args)
+        outputs = out if isinstance(out, tuple) else (out,)
     # contiguous, as the fake implementations promise (SDPA may hand back a transposed layout)
-    return tuple(outputs[n].contiguous() for n in spec.out_names)
+    return tuple(o.contiguous() for o in outputs)
 
 
 def _same_dtype(op: str, *tensors) -> None:
@@ -180,8 +180,43 @@ def _(q, k_cache, v_cache, seq_lens, scale, table=0):
     return q.new_empty(q.shape)
 
 
-OPS = {"rms_norm": "rmsnorm", "add_rms_norm": "add_rmsnorm", "linear": "linear", "swiglu": "swiglu",
-       "rope": "rope", "decode_attention": "decode_attention"}  # op name -> kernel (spec) name
+# --- rope_kv_write --------------------------------------------------------------------------
+def _kv_args(qkv, cos, sin, positions, k_cache, v_cache):
+    _same_dtype("rope_kv_write", qkv, cos, sin, k_cache, v_cache)
+    b, h_all, d = qkv.shape
+    hkv = k_cache.shape[1]
+    if k_cache.dim() != 4 or tuple(v_cache.shape) != tuple(k_cache.shape) or k_cache.shape[0] != b or \
+            k_cache.shape[3] != d or h_all <= 2 * hkv or positions.shape != (b,):
+        raise ValueError(f"hwtune::rope_kv_write: qkv{tuple(qkv.shape)} k_cache{tuple(k_cache.shape)} "
+                         f"v_cache{tuple(v_cache.shape)} positions{tuple(positions.shape)}")
+    # written in place: a copy would take the writes away from the caller's cache
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("hwtune::rope_kv_write: k_cache and v_cache must be contiguous")
+    return h_all - 2 * hkv
 
-__all__ = ["rms_norm", "add_rms_norm", "linear", "swiglu", "rope", "decode_attention", "table_handle",
-           "table_of", "run", "OPS"]
+
+@torch.library.custom_op("hwtune::rope_kv_write", mutates_args=("k_cache", "v_cache"))
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, table: int = 0) -> torch.Tensor:
+    _kv_args(qkv, cos, sin, positions, k_cache, v_cache)
+    b, _, d = qkv.shape
+    # cos/sin may come broadcast over the batch (Hugging Face's position_ids of batch 1)
+    cos = cos.reshape(-1, d).expand(b, d).contiguous()
+    sin = sin.reshape(-1, d).expand(b, d).contiguous()
+    (q_out,) = run("rope_kv_write", table, qkv.contiguous(), cos, sin,
+                   positions.to(torch.int64).contiguous(), k_cache, v_cache)
+    return q_out
+
+
+@rope_kv_write.register_fake
+def _(qkv, cos, sin, positions, k_cache, v_cache, table=0):
+    hq = _kv_args(qkv, cos, sin, positions, k_cache, v_cache)
+    return qkv.new_empty((qkv.shape[0], hq, qkv.shape[2]))
+
+
+OPS = {"rms_norm": "rmsnorm", "add_rms_norm": "add_rmsnorm", "linear": "linear", "swiglu": "swiglu",
+       "rope": "rope", "decode_attention": "decode_attention",
+       "rope_kv_write": "rope_kv_write"}  # op name -> kernel (spec) name
+
+__all__ = ["rms_norm", "add_rms_norm", "linear", "swiglu", "rope", "decode_attention", "rope_kv_write",
+           "table_handle", "table_of", "run", "OPS"]

@@ -25,7 +25,7 @@ def test_honest_candidate_is_accepted_over_the_whole_cpu_sweep(kernel):
     assert doc["isolation"], "the sandbox says how it ran launch()"
 
 
-@pytest.mark.parametrize("kernel", ["linear", "swiglu", "rope"])
+@pytest.mark.parametrize("kernel", ["linear", "swiglu", "rope", "rope_kv_write"])
 def test_builtin_template_of_a_decode_kernel_is_accepted_over_the_whole_cpu_sweep(kernel):
     proc = run_hwtune("check-kernel", kernel, ROOT / "kernelsearch" / "kernels" / f"{kernel}.py",
                       "--device", "cpu", "--json", "--no-time", timeout=600)

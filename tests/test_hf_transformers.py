@@ -95,9 +95,13 @@ def test_patched_logits_match_unpatched_for_prefill_and_static_cache_decode_step
     for step, (w, g) in enumerate(zip(want, got)):
         assert rel_err(w, g) < TOL[dtype], (step, rel_err(w, g))
     routed = {k for k, _ in table.counts}
-    assert routed == {"rmsnorm", "linear", "rope", "swiglu", "decode_attention"}
+    # decode steps write RoPE'd k and v straight into the StaticCache (not with Qwen3's
+    # q_norm / k_norm between the projection and RoPE); the prefill goes through hwtune::rope
+    fused = set() if name == "Qwen3" else {"rope_kv_write"}
+    assert routed == {"rmsnorm", "linear", "rope", "swiglu", "decode_attention"} | fused
     # 3 decode steps x 2 layers went through hwtune's decode attention, the prefill did not
     assert table.counts[("decode_attention", "stock")] == 3 * 2
+    assert table.counts.get(("rope_kv_write", "stock"), 0) == (3 * 2 if fused else 0)
     unpatch(model)
 
 
@@ -169,7 +173,9 @@ def test_patched_decode_step_compiles_with_fullgraph_and_matches(name):
     torch._dynamo.reset()
     got = prefill_and_decode(model, ids, step_fn=torch.compile(model.forward, fullgraph=True, backend=backend))
     assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
-    for op in ("rms_norm", "linear", "swiglu", "rope", "decode_attention"):
+    # Llama's decode step writes the cache with the mutating hwtune::rope_kv_write, under fullgraph
+    kv = "rope_kv_write" if name == "Llama" else "rope"
+    for op in ("rms_norm", "linear", "swiglu", kv, "decode_attention"):
         assert f"hwtune.{op}" in seen, op
     torch._dynamo.reset()
     got = prefill_and_decode(model, ids, step_fn=torch.compile(model.forward, fullgraph=True,
@@ -356,6 +362,7 @@ CHILD = textwrap.dedent('''
         ("rope", {"B": B, "Hq": H, "Hkv": HKV, "D": D}, "float32", {}),
         ("decode_attention", {"B": B, "Hq": H, "Hkv": HKV, "S": MAX_CACHE, "D": D}, "float32",
          {"BLOCK_S": 16, "NUM_SPLITS": 1, "num_warps": 4, "num_stages": 1}),
+        ("rope_kv_write", {"B": B, "Hq": H, "Hkv": HKV, "D": D, "S": MAX_CACHE}, "float32", {}),
     ]
     if name == "Qwen3":
         entries += [("rmsnorm", {"M": B * H, "N": D}, "float32", {}),
@@ -388,12 +395,81 @@ def test_tuned_triton_kernels_of_every_decode_op_give_the_unpatched_logits(name)
     assert report["stock"] == []
     # 2 decode steps x 2 layers; norms: 2 per layer + the final one (+ q_norm, k_norm in Qwen3)
     norms = 2 * (5 + (4 if name == "Qwen3" else 0))
-    want = {"rmsnorm:tuned": norms, "linear:tuned": 2 * 9, "swiglu:tuned": 4, "rope:tuned": 4,
+    # Llama's decode steps write the cache with rope_kv_write; Qwen3 normalises q and k between
+    # the projection and RoPE, so its steps keep hwtune::rope and the cache's own update
+    rope = "rope:tuned" if name == "Qwen3" else "rope_kv_write:tuned"
+    want = {"rmsnorm:tuned": norms, "linear:tuned": 2 * 9, "swiglu:tuned": 4, rope: 4,
             "decode_attention:tuned": 4}
     # prefill shapes have no entry: the model's own code, no op call at all
     assert report["counts"] == want and report["compiled_counts"] == want
     assert max(report["err"]) < 1e-4 and max(report["err_compiled"]) < 1e-4
     assert report["err"][1] > 0   # the decode steps really ran other kernels than stock
+
+
+CHILD_KV = textwrap.dedent('''
+    import json, sys
+    import torch
+    sys.path.insert(0, "tests")
+    from transformers import StaticCache
+    from test_hf_transformers import tiny_model, rel_err, MAX_CACHE, CACHE
+    from tests.tuned_tables import verified_table
+    from kernelsearch.integrations.transformers import patch, unpatch
+
+    dtype = getattr(torch, sys.argv[1])
+    model = tiny_model("Llama", dtype)
+    B, H, HKV, D = 2, 4, 2, 16
+    table = verified_table([("rope_kv_write", {"B": B, "Hq": H, "Hkv": HKV, "D": D, "S": MAX_CACHE},
+                             sys.argv[1], {"HEADS_PER_PROG": 2, "num_warps": 1})])
+    ids = torch.randint(0, 128, (B, 5), generator=torch.Generator().manual_seed(9))
+
+    def run(steps=4):
+        cache = StaticCache(config=model.config, max_cache_len=MAX_CACHE)
+        logits = []
+        with torch.no_grad():
+            out = model(ids, **{CACHE: cache}, use_cache=True)
+            logits.append(out.logits.float())
+            for _ in range(steps):
+                out = model(out.logits[:, -1:].argmax(-1), **{CACHE: cache}, use_cache=True)
+                logits.append(out.logits.float())
+        kv = [(layer.keys.float(), layer.values.float(), int(layer.cumulative_length)) for layer in cache.layers]
+        return logits, kv
+
+    want, want_kv = run()
+    report = patch(model, table)
+    got, got_kv = run()
+    counts = {f"{k}:{r}": n for (k, r), n in table.counts.items()}
+    unpatch(model)
+    table.counts.clear()
+    back, back_kv = run()
+    cache_err = [max(rel_err(a[i], b[i]) for i in (0, 1)) for a, b in zip(want_kv, got_kv)]
+    print(json.dumps({
+        "stock": report.stock, "counts": counts, "after_unpatch": len(table.counts),
+        "err": [rel_err(w, g) for w, g in zip(want, got)], "cache_err": cache_err,
+        "lengths": [[a[2], b[2]] for a, b in zip(want_kv, got_kv)],
+        # slots no token reached yet: zeros in both (the kernel wrote nothing else)
+        "untouched_zero": all(bool((b[i][:, :, 9:] == 0).all()) for b in got_kv for i in (0, 1)),
+        "unpatched_same": all(torch.equal(w, g) for w, g in zip(want, back)) and
+                          all(torch.equal(a[i], b[i]) for a, b in zip(want_kv, back_kv) for i in (0, 1))}))
+''')
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rope_kv_write_route_writes_the_static_cache_and_gives_the_unpatched_logits(dtype):
+    """Prefill (the model's own path fills and initialises the StaticCache), then 4 decode steps
+    whose k and v the tuned rope_kv_write kernel writes straight into the cache layers."""
+    env = {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+           "HOME": os.environ.get("HOME", "/root")}
+    proc = subprocess.run([sys.executable, "-c", CHILD_KV, dtype], cwd=ROOT, text=True, capture_output=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["stock"] == []
+    assert report["counts"] == {"rope_kv_write:tuned": 4 * 2}   # 4 steps x 2 layers, nothing else
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    assert max(report["err"]) < tol and max(report["cache_err"]) < tol, report
+    assert report["lengths"] == [[9, 9], [9, 9]]    # 5 prefill tokens + 4 steps, as update counts
+    assert report["untouched_zero"]
+    assert report["unpatched_same"] and report["after_unpatch"] == 0
 
 
 def test_gpu_script_runs_its_checks_and_table_on_cpu_as_a_smoke_test():

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ["rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention", "linear", "swiglu", "rope"]
+KERNELS = ["rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention", "linear", "swiglu", "rope",
+           "rope_kv_write"]
+INOUT = {"rope_kv_write": ("k_cache", "v_cache")}   # written in place: judged on what they must hold
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2  # the interpreter rounds fp32 -> bf16 by truncation
 
@@ -119,6 +121,11 @@ def _cases(kernel, mod):
         shapes = [(1, 4, 2, 64), (3, 6, 3, 34), (2, 3, 5, 16), (4, 32, 8, 128), (1, 1, 1, 2)]
         configs = [{}, dict(HEADS_PER_PROG=1, num_warps=1), dict(HEADS_PER_PROG=4, num_warps=2),
                    dict(HEADS_PER_PROG=32, num_warps=8)]
+    elif kernel == "rope_kv_write":
+        # (B, Hq, Hkv, D, S); Hq > Hkv, Hq < Hkv, one head, S = 1
+        shapes = [(1, 4, 2, 64, 8), (3, 6, 3, 34, 5), (2, 3, 5, 16, 3), (2, 32, 8, 128, 4), (1, 1, 1, 2, 1)]
+        configs = [{}, dict(HEADS_PER_PROG=1, num_warps=1), dict(HEADS_PER_PROG=4, num_warps=2),
+                   dict(HEADS_PER_PROG=32, num_warps=8)]
     else:
         shapes = [(2, 4, 2, 50, 16), (1, 6, 2, 130, 24), (3, 2, 2, 33, 32), (1, 8, 1, 16, 8)]
         configs = [dict(BLOCK_S=16, NUM_SPLITS=1), dict(BLOCK_S=32, NUM_SPLITS=4),
@@ -188,6 +195,26 @@ def _cases(kernel, mod):
                 return dict(q_out=q * c + rot(q) * s_, k_out=k * c + rot(k) * s_)
             call = lambda i, o, p: mod.launch(i["q"], i["k"], i["cos"], i["sin"], o["q_out"],
                                               o["k_out"], **p)
+        elif kernel == "rope_kv_write":
+            B, Hq, Hkv, D, S = shape
+            ang = rnd(B, D, scale=3.0)
+            inp = dict(qkv=rnd(B, Hq + 2 * Hkv, D, dtype=dtype), cos=ang.cos().to(dtype),
+                       sin=ang.sin().to(dtype), positions=torch.randint(0, S, (B,), generator=g),
+                       k_cache=rnd(B, Hkv, S, D, dtype=dtype), v_cache=rnd(B, Hkv, S, D, dtype=dtype))
+            outs = dict(q_out=(B, Hq, D))
+
+            def ref(i):
+                c, s_ = i["cos"].double()[:, None], i["sin"].double()[:, None]
+                rot = lambda x: torch.cat((-x[..., D // 2:], x[..., :D // 2]), -1)
+                x = i["qkv"].double()
+                q, k, v = x[:, :Hq], x[:, Hq:Hq + Hkv], x[:, Hq + Hkv:]
+                kc, vc = i["k_cache"].double().clone(), i["v_cache"].double().clone()
+                for b in range(B):
+                    kc[b, :, i["positions"][b]] = (k * c + rot(k) * s_)[b]
+                    vc[b, :, i["positions"][b]] = v[b]
+                return dict(q_out=q * c + rot(q) * s_, k_cache=kc, v_cache=vc)
+            call = lambda i, o, p: mod.launch(i["qkv"], i["cos"], i["sin"], i["positions"], i["k_cache"],
+                                              i["v_cache"], o["q_out"], **p)
         else:
             B, Hq, Hkv, S, D = shape
             lens = torch.randint(1, S + 1, (B,), generator=g, dtype=torch.int32)
@@ -229,26 +256,36 @@ def _child_main(kernel: str) -> None:
     n = 0
     for label, inp, outs, call, ref, params, dtype, tol in _cases(kernel, mod):
         n += 1
+        inout = INOUT.get(kernel, ())
         before = {k: v.clone() for k, v in inp.items() if isinstance(v, torch.Tensor)}
         results = []
         for _ in range(2):
             o = {k: torch.full(s, float("nan"), dtype=dtype) for k, s in outs.items()}
+            for k in inout:   # each run starts from the same cache contents
+                inp[k] = before[k].clone()
             try:
                 call(inp, o, params)
             except Exception as exc:  # a failure is data: report it with its case
                 failures.append(f"{label}: raised {type(exc).__name__}: {exc}")
                 break
+            o.update({k: inp[k] for k in inout})
             results.append(o)
         if len(results) < 2:
             continue
         for k, r in ref.items():
-            err = _rel(results[0][k], r)
+            if k in inout:   # the written slots against fp64, every other element unchanged
+                slot = (r != before[k].double()).any(-1)
+                err = _rel(results[0][k][slot], r[slot])
+                if not torch.equal(results[0][k][~slot], before[k][~slot]):
+                    failures.append(f"{label}: {k} changed outside the slots the op writes")
+            else:
+                err = _rel(results[0][k], r)
             if not err <= tol:
                 failures.append(f"{label}: {k} relative L2 error {err:.3g} > {tol}")
             if not torch.equal(results[0][k], results[1][k]):
                 failures.append(f"{label}: {k} differs between two runs")
         for k, v in before.items():
-            if not torch.equal(v, inp[k]):
+            if k not in inout and not torch.equal(v, inp[k]):
                 failures.append(f"{label}: input {k} was modified")
     for dev, counters in getattr(mod, "_counters", {}).items():  # matmul REDUCE="last"
         if int(counters.abs().sum()) != 0:

@@ -31,6 +31,9 @@ def _cases():
         "rope": (r(2, 3, 4, 16), r(2, 3, 2, 16), r(1, 3, 16), r(1, 3, 16)),
         "decode_attention": (r(2, 4, 16), r(2, 2, 10, 16), r(2, 2, 10, 16),
                              torch.tensor([3, 10], dtype=torch.int32), 0.25),
+        # qkv [B, Hq + 2 Hkv, D], cos/sin [B, D], positions, caches [B, Hkv, S, D]
+        "rope_kv_write": (r(2, 8, 16), r(2, 16), r(2, 16), torch.tensor([7, 2]), r(2, 2, 10, 16),
+                          r(2, 2, 10, 16)),
     }
 
 
@@ -53,6 +56,15 @@ def _stock(name, args):
         rot = lambda x: torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), -1)
         c, s = cos.unsqueeze(2), sin.unsqueeze(2)
         return q * c + rot(q) * s, k * c + rot(k) * s
+    if name == "rope_kv_write":   # apply_rotary_pos_emb, then StaticCache's index_copy_ per row
+        qkv, cos, sin, pos, kc, vc = args
+        rot = lambda x: torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), -1)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
+        for b in range(qkv.shape[0]):
+            kc[b].index_copy_(1, pos[b:b + 1], (k * c + rot(k) * s)[b].unsqueeze(1))
+            vc[b].index_copy_(1, pos[b:b + 1], v[b].unsqueeze(1))
+        return q * c + rot(q) * s
     q, k, v, lens, scale = args
     mask = (torch.arange(k.shape[2])[None, :] < lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
@@ -78,6 +90,26 @@ def test_op_without_a_table_returns_exactly_what_the_stock_call_returns(name):
         assert torch.equal(g, w)
 
 
+def test_rope_kv_write_writes_each_rows_slot_of_the_callers_caches_in_place_and_nothing_else():
+    args = _cases()["rope_kv_write"]
+    before = [t.clone() for t in args[4:]]
+    want = _cases()["rope_kv_write"]
+    _stock("rope_kv_write", want)
+    torch.ops.hwtune.rope_kv_write(*args)
+    for got, expect, old in zip(args[4:], want[4:], before):
+        assert torch.equal(got, expect)
+        changed = (got != old).any(-1)                       # [B, Hkv, S]
+        assert changed.sum() == 2 * 2 and changed[0, :, 7].all() and changed[1, :, 2].all()
+    # cos/sin of batch 1 broadcast over the batch, as the model's rotary embedding gives them
+    qkv, cos, sin, pos, kc, vc = _cases()["rope_kv_write"]
+    one = torch.ops.hwtune.rope_kv_write(qkv, cos[:1], sin[:1], pos, kc, vc)
+    assert torch.equal(one, torch.ops.hwtune.rope_kv_write(qkv, cos[:1].expand(2, 16), sin[:1].expand(2, 16),
+                                                           pos, kc.clone(), vc.clone()))
+    with pytest.raises(ValueError, match="contiguous"):
+        strided = torch.randn(2, 10, 2, 16).transpose(1, 2)   # [B, Hkv, S, D], not contiguous
+        torch.ops.hwtune.rope_kv_write(qkv, cos, sin, pos, strided, strided)
+
+
 def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
     seen = []
 
@@ -87,14 +119,15 @@ def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
 
     cases = _cases()
 
-    def block(x, w, W, gate_up_w, q, k, cos, sin, kc, vc, lens):
+    def block(x, w, W, gate_up_w, q, k, cos, sin, kc, vc, lens, qkv, cs, sn, pos, kc2, vc2):
         h = torch.ops.hwtune.rms_norm(x, w, 1e-6)
         h, res = torch.ops.hwtune.add_rms_norm(h, x, w, 1e-6)
         y = torch.ops.hwtune.swiglu(torch.ops.hwtune.linear(h, gate_up_w))
         y = torch.ops.hwtune.linear(y, W)
         q2, k2 = torch.ops.hwtune.rope(q, k, cos, sin)
         a = torch.ops.hwtune.decode_attention(q2[:, 0], kc, vc, lens, 0.25)
-        return y + res[..., :48].sum(), a
+        q3 = torch.ops.hwtune.rope_kv_write(qkv, cs, sn, pos, kc2, vc2)
+        return y + res[..., :48].sum(), a, q3
 
     x, w = cases["rms_norm"][:2]
     args = (x, w, torch.randn(48, 32), torch.randn(64, 64), *cases["rope"],
@@ -104,14 +137,22 @@ def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
     args[5] = torch.randn(2, 1, 2, 16)
     args[6] = torch.randn(2, 1, 16)
     args[7] = torch.randn(2, 1, 16)
+    args += list(cases["rope_kv_write"])
+    kv = lambda a: a[:-2] + [a[-2].clone(), a[-1].clone()]   # each run on its own caches
     compiled = torch.compile(block, fullgraph=True, backend=backend)
-    for got, want in zip(compiled(*args), block(*args)):
+    eager_args, compiled_args = kv(args), kv(args)
+    for got, want in zip(compiled(*compiled_args), block(*eager_args)):
         assert torch.equal(got, want)
     for op in ops.OPS:
         assert f"hwtune.{op}" in seen, (op, seen)
     aot = torch.compile(block, fullgraph=True, backend="aot_eager")
-    for got, want in zip(aot(*args), block(*args)):
+    aot_args = kv(args)
+    for got, want in zip(aot(*aot_args), block(*kv(args))):
         assert torch.equal(got, want)
+    # the compiled graphs wrote the caller's caches as eager did (the mutation is not lost)
+    for a, b in zip(aot_args[-2:] + compiled_args[-2:], eager_args[-2:] * 2):
+        assert torch.equal(a, b)
+    assert not torch.equal(aot_args[-2], args[-2])
 
 
 def test_a_table_handle_routes_through_that_table_and_counts_stock_per_shape():

@@ -12,7 +12,7 @@ NAMES = sorted(SPECS)
 
 def test_registry_holds_the_builtin_kernels():
     assert set(SPECS) == {"rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention",
-                          "linear", "swiglu", "rope"}
+                          "linear", "swiglu", "rope", "rope_kv_write"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -21,7 +21,7 @@ def test_cpu_sweep_has_odd_sizes_one_row_and_a_bf16_case(name):
     assert any(s.get("dtype") == "bfloat16" for s in shapes)
     dims = [v for s in shapes for k, v in s.items() if k != "dtype"]
     assert any(v % 2 == 1 and v > 1 for v in dims)
-    lead = "B" if name in ("decode_attention", "rope") else "M"
+    lead = "B" if name in ("decode_attention", "rope", "rope_kv_write") else "M"
     assert min(s[lead] for s in shapes) == 1 and max(s[lead] for s in shapes) >= 3
 
 
@@ -44,9 +44,13 @@ def test_stock_fallback_matches_the_fp64_reference_on_every_cpu_shape_and_distri
         for dist in spec.distributions_for(dtype):
             inputs = spec.make_inputs(dims, dtype, "cpu", g, dist)
             outputs = spec.make_outputs(dims, dtype, "cpu")
+            ref, written = spec.reference(inputs), spec.written(inputs)
+            before = {n: inputs[n].clone() for n in spec.inout_names}
             spec.stock(inputs, outputs)
-            ref = spec.reference(inputs)
-            for out_name in spec.out_names:
+            for n in spec.inout_names:   # in place: the written rows hold the reference, the rest kept
+                outputs[n] = inputs[n][written[n]]
+                assert torch.equal(inputs[n][~written[n]], before[n][~written[n]])
+            for out_name in spec.out_names + spec.inout_names:
                 err, problem = compare.compare(out_name, outputs[out_name], ref[out_name], spec.tolerance(dtype))
                 assert problem is None, (shape, dist, problem)
 
@@ -107,7 +111,7 @@ def test_linear_cuda_sweep_holds_llama3_8b_decode_projections_at_batch_1_and_32(
             assert {"M": m, "K": k, "N": n} in shapes
 
 
-@pytest.mark.parametrize("name", ["linear", "swiglu", "rope"])
+@pytest.mark.parametrize("name", ["linear", "swiglu", "rope", "rope_kv_write"])
 def test_stock_call_is_what_a_user_runs_and_matches_the_reference(name):
     spec = SPECS[name]
     g = torch.Generator().manual_seed(11)
@@ -150,3 +154,28 @@ def test_rope_matches_hugging_face_rotate_half_and_uses_both_halves_of_cos_and_s
     # the halves are drawn independently: a kernel reading only cos[:, :D/2] is wrong
     assert not torch.allclose(inputs["cos"][:, :4], inputs["cos"][:, 4:])
     assert spec.valid_shape({"B": 1, "Hq": 1, "Hkv": 1, "D": 7}) == "D must be even"
+
+
+def test_rope_kv_write_declares_its_caches_in_out_and_writes_one_slot_per_sequence_and_head():
+    spec = SPECS["rope_kv_write"]
+    shape = {"B": 3, "Hq": 4, "Hkv": 2, "D": 8, "S": 5}
+    sig = {a["name"]: a for a in spec.signature(shape, "float32")}
+    assert [a for a in sig] == ["qkv", "cos", "sin", "positions", "k_cache", "v_cache", "q_out"]
+    assert sig["k_cache"]["role"] == sig["v_cache"]["role"] == "inout"
+    assert sig["q_out"]["role"] == "output" and sig["qkv"]["role"] == "input"
+    assert sig["positions"]["dtype"] == "int64" and sig["qkv"]["shape"] == [3, 8, 8]
+    inputs = spec.make_inputs(shape, torch.float32, "cpu", torch.Generator().manual_seed(4), "normal")
+    assert inputs["k_cache"].abs().min() > 0   # the cache holds random data, never zeros
+    mask = spec.written(inputs)["k_cache"]
+    assert mask.shape == (3, 2, 5) and int(mask.sum()) == 3 * 2
+    for b in range(3):
+        assert mask[b, :, int(inputs["positions"][b])].all()
+    # the written rows: rope(k) and v of each sequence, (b, head) order; HF's formula on q
+    ref = spec.reference(inputs)
+    x = inputs["qkv"].double()
+    c, s = inputs["cos"].double()[:, None], inputs["sin"].double()[:, None]
+    rot = lambda t: torch.cat((-t[..., 4:], t[..., :4]), -1)
+    assert torch.allclose(ref["q_out"], x[:, :4] * c + rot(x[:, :4]) * s)
+    assert torch.allclose(ref["k_cache"], (x[:, 4:6] * c + rot(x[:, 4:6]) * s).reshape(6, 8))
+    assert torch.equal(ref["v_cache"], x[:, 6:].reshape(6, 8))
+    assert spec.valid_shape(dict(shape, D=7)) == "D must be even"

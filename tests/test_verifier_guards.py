@@ -421,6 +421,48 @@ def test_honest_template_with_a_persistent_zeroed_counter_is_accepted():
     assert any(b.startswith("p") for s in v.shapes for b in s.plan["buffers"])
 
 
+# --- in/out tensors (rope_kv_write's KV caches) ---------------------------------------------------
+KV_SHAPES = [{"B": 2, "Hq": 4, "Hkv": 2, "D": 16, "S": 6}]
+
+
+def test_honest_kv_cache_writer_is_accepted_including_timed_runs():
+    v = check("honest_rope_kv_write", kernel="rope_kv_write", shapes=KV_SHAPES, time_it=True)
+    assert v.accepted, v.reason
+    assert all(s.status == "ok" for s in v.shapes)
+
+
+@pytest.mark.parametrize("name, guard, words", [
+    # right slot written, the next slot of every head zeroed: bytes it does not own changed
+    ("hack_kv_zero_other_slot", "inout_mutated", ["changed outside the rows the op writes", "k_cache["]),
+    # the caches never written: their written rows still hold the poison
+    ("hack_kv_no_write", "unwritten_output", ["k_cache", "poison"]),
+    # k stored without RoPE: judged on the written rows only, so one wrong slot is not diluted
+    ("hack_kv_no_rope_k", "correctness", ["k_cache"]),
+    # one row stored past the end of k_cache
+    ("hack_kv_write_past", "out_of_bounds", ["k_cache"]),
+])
+def test_kv_cache_attacks_are_caught_by_the_inout_guards(name, guard, words):
+    rejected(check(name, kernel="rope_kv_write", shapes=KV_SHAPES), guard, *words)
+
+
+def test_an_inout_tensor_cannot_be_zeroed_by_host_code_or_a_forged_plan(tmp_path):
+    src_text = (CANDIDATES / "honest_rope_kv_write.py").read_text()
+    hacked = src_text.replace("    Hq = H_all - 2 * Hkv\n", "    Hq = H_all - 2 * Hkv\n    k_cache.zero_()\n", 1)
+    assert hacked != src_text
+    (tmp_path / "hack_zero_cache.py").write_text(hacked)
+    v = evaluate("rope_kv_write", tmp_path / "hack_zero_cache.py", device="cpu", shapes=KV_SHAPES,
+                 time_it=False, fresh=True)
+    rejected(v, "plan", "in/out tensor 'k_cache'")
+    src = KernelSource.parse(src_text)
+    bad = {"buffers": {}, "steps": [{"op": "zero", "ref": {"buf": "k_cache", "offset": 0, "dtype": "uint8"},
+                                     "nbytes": 4}]}
+    with pytest.raises(plan_mod.PlanInvalid) as info:
+        plan_mod.validate(bad, kernels=src.kernels, roles={"k_cache": 1536, "q_out": 512},
+                          inputs={"qkv"}, inouts={"k_cache", "v_cache"}, scalars=set(),
+                          workspace_budget_bytes=1 << 30)
+    assert info.value.guard == "inout_mutated"
+
+
 def test_verdict_round_trips_through_json_text():
     v = check("hack_partial_write")
     back = Verdict.from_json(json.dumps(v.to_json()))

@@ -18,8 +18,11 @@ Guards (Verdict.guard):
   not_triton      the plan launches no @triton.jit kernel
   left_process    the host code left a process running (killed by the jail)
   timeout, crash, exception, out_of_memory   sandbox or kernel; killed, restarted, a verdict
-  unwritten_output  outputs poisoned (NaN, huge, random) before every call
+  unwritten_output  outputs, and the rows of in/out tensors the op writes, poisoned (NaN,
+                  huge, random) before every call
   input_mutated   inputs compared bitwise after every call
+  inout_mutated   an in/out tensor (a KV cache) changed outside the rows the op writes
+                  (compared bitwise after every call), or zeroed by a plan step
   out_of_bounds   canary zones around every buffer; interpreter loads/stores bounds-checked
   workspace_state a buffer kept across calls not left all-zero (state carried between calls)
   correctness     fp64 reference, the whole sweep + a shape drawn at random + scalars drawn per trial

@@ -11,8 +11,9 @@ DEVICE`); JSON lines each way on dedicated pipes. Requests:
   exit
 Each check draws fresh inputs from a generator seeded by `secrets` (no seed leaves this
 process), fresh scalar arguments (eps, scale) from the op's range, and a fresh poison (NaN,
-huge finite or random values) for the outputs and scratch workspaces. Every buffer sits
-between canary zones checked after each call; under the Triton interpreter every load and
+huge finite or random values) for the outputs, for the rows of in/out tensors the op writes
+(spec.written; every other byte of those must keep its input value) and for scratch
+workspaces. Every buffer sits between canary zones checked after each call; under the Triton interpreter every load and
 store is also bounds-checked against the launch's own buffers. The timed runs replay a CUDA
 graph of `n` calls, each on its own buffers, with fresh inputs before every replay; every
 replay's outputs are checked.
@@ -113,6 +114,8 @@ class Slot:
         self.raw, self.data, self.canary = {}, {}, {}
         self.meta = {}            # contract tensor name -> (shape, dtype)
         self.persistent, self.scratch, self.outputs_names, self.input_names = [], [], [], []
+        self.inout_names = []     # read and written in place: only their written rows may change
+        self.rows = {}            # in/out name -> flat indices of the rows this call writes
         from kernelsearch.harness.run_plan import TORCH_DTYPES
 
         for arg in signature:
@@ -124,7 +127,9 @@ class Slot:
                 numel *= d
             self._alloc(arg["name"], numel * torch.empty((), dtype=dt).element_size())
             self.meta[arg["name"]] = (tuple(arg["shape"]), dt)
-            (self.outputs_names if arg["role"] == "output" else self.input_names).append(arg["name"])
+            role = arg["role"]
+            (self.outputs_names if role == "output" else self.inout_names if role == "inout"
+             else self.input_names).append(arg["name"])
         for b in plan.buffers:
             self._alloc(b.id, b.nbytes)
             if b.persistent:
@@ -150,9 +155,29 @@ class Slot:
         shape, dt = self.meta[name]
         return self.data[name].view(dt).view(shape)
 
-    def load_inputs(self, inputs: dict) -> None:
-        for name in self.input_names:
+    def load_inputs(self, inputs: dict, written: dict) -> None:
+        """Copy the inputs and in/out tensors in; `written` (spec.written) names the rows of
+        each in/out tensor the call writes: poison() poisons them, judge() compares them."""
+        for name in self.input_names + self.inout_names:
             self.typed(name).copy_(inputs[name])
+        self.rows = {}
+        for name in self.inout_names:
+            mask = written.get(name)
+            shape = self.meta[name][0]
+            if mask is None:
+                mask = self.torch.zeros(shape[:-1], dtype=self.torch.bool, device=self.device)
+            if tuple(mask.shape) != tuple(shape[:-1]) or mask.dtype != self.torch.bool:
+                raise ValueError(f"spec.written()[{name!r}]: expected a bool mask of shape {shape[:-1]}")
+            self.rows[name] = mask.reshape(-1).nonzero().reshape(-1).to(self.device)
+
+    def row_view(self, name: str):
+        """An in/out tensor as [rows, last dim]."""
+        shape, _ = self.meta[name]
+        return self.typed(name).view(-1, shape[-1] if shape else 1)
+
+    def written_rows(self, name: str):
+        """A copy of the rows of in/out tensor `name` this call writes, [rows, last dim]."""
+        return self.row_view(name).index_select(0, self.rows[name])
 
     def poison(self, kind: str) -> "Poison":
         """Fill outputs and scratch workspaces. Returns a record of the outputs' poison that
@@ -163,14 +188,20 @@ class Slot:
         g = t.Generator(device=self.device)
         for name in self.outputs_names:
             _fill_poison(t, self.typed(name), kind, g.manual_seed(seed ^ hash(name) & 0xFFFFFFFF))
+        for name in self.inout_names:  # only the rows the call writes: the rest is input
+            view, rows = self.row_view(name), self.rows[name]
+            p = t.empty((rows.numel(), view.shape[1]), dtype=view.dtype, device=self.device)
+            _fill_poison(t, p, kind, g.manual_seed(seed ^ hash(name) & 0xFFFFFFFF))
+            view.index_copy_(0, rows, p)
         for name in self.scratch:
             d = self.data[name]
             d.copy_(t.randint(0, 256, d.shape, dtype=t.uint8, generator=self.gen, device=self.device))
         return Poison(self, kind, seed)
 
-    def damaged(self, inputs: dict) -> tuple[list[str], list[str], list[str]]:
-        """(canary zones changed, inputs modified, persistent workspaces not all-zero), decided
-        on the device and read back with one synchronisation."""
+    def damaged(self, inputs: dict) -> tuple[list[str], list[str], list[str], list[str]]:
+        """(canary zones changed, inputs modified, persistent workspaces not all-zero, in/out
+        tensors changed outside their written rows), decided on the device and read back with
+        one synchronisation."""
         t, names, flags = self.torch, [], []
         for name, raw in self.raw.items():
             c = self.canary[name]
@@ -185,11 +216,27 @@ class Slot:
         for n in self.persistent:
             names.append(("persistent", n))
             flags.append(self.data[n].any())
-        found = {"canary": [], "input": [], "persistent": []}
+        for n in self.inout_names:
+            names.append(("inout", n))
+            flags.append(self.changed_rows(n, inputs[n]).any())
+        found = {"canary": [], "input": [], "persistent": [], "inout": []}
         for (kind, name), bad in zip(names, t.stack(flags).tolist() if flags else []):
             if bad:
                 found[kind].append(name)
-        return found["canary"], found["input"], found["persistent"]
+        return found["canary"], found["input"], found["persistent"], found["inout"]
+
+    def changed_rows(self, name: str, want):
+        """Bool per row of in/out tensor `name`: a row the call does not write whose bytes
+        differ from the input's (bitwise: a NaN written back over a NaN still counts)."""
+        t = self.torch
+        nrows = self.row_view(name).shape[0]
+        have = self.data[name].view(nrows, -1)
+        want = _bytes(want)
+        if want.numel() != self.data[name].numel():
+            return t.ones(nrows, dtype=t.bool, device=self.device)
+        differ = (have != want.view(nrows, -1)).any(dim=1)
+        differ[self.rows[name]] = False
+        return differ
 
 
 def _fill_poison(t, out, kind: str, g) -> None:
@@ -212,11 +259,16 @@ class Poison:
         self.slot, self.kind, self.seed = slot, kind, seed
 
     def get(self, name):
+        """An output's poison, or that of the written rows of an in/out tensor ([rows, D])."""
         slot = self.slot
-        if name not in slot.outputs_names:
-            return None
         t = slot.torch
-        out = t.empty_like(slot.typed(name))
+        if name in slot.outputs_names:
+            out = t.empty_like(slot.typed(name))
+        elif name in slot.inout_names:
+            out = t.empty((slot.rows[name].numel(), slot.row_view(name).shape[1]),
+                          dtype=slot.meta[name][1], device=slot.device)
+        else:
+            return None
         g = t.Generator(device=slot.device).manual_seed(self.seed ^ hash(name) & 0xFFFFFFFF)
         _fill_poison(t, out, self.kind, g)
         return out
@@ -361,6 +413,7 @@ class Executor:
             try:
                 plan = validate(case["plan"], kernels=src.kernels, roles=roles,
                                 inputs={a["name"] for a in signature if a.get("role") == "input"},
+                                inouts={a["name"] for a in signature if a.get("role") == "inout"},
                                 scalars={a["name"] for a in signature if a["kind"] == "scalar"},
                                 workspace_budget_bytes=max(1 << 30, 4 * sum(roles.values())))
             except PlanInvalid:
@@ -383,6 +436,7 @@ class Executor:
         try:
             plan = validate(request["plan"], kernels=src.kernels, roles=roles,
                             inputs={a["name"] for a in signature if a.get("role") == "input"},
+                            inouts={a["name"] for a in signature if a.get("role") == "inout"},
                             scalars={a["name"] for a in signature if a["kind"] == "scalar"},
                             workspace_budget_bytes=max(1 << 30, 4 * io_bytes))
         except PlanInvalid as exc:
@@ -402,7 +456,7 @@ class Executor:
             where = f"shape {label} trial {trial + 1} ({dist} inputs)"
             inputs = self.draw_inputs(spec, shape, dt, dist, upper=trial == 1)
             slot = Slot(self.torch, plan, signature, self.device, self.gen())
-            slot.load_inputs(inputs)
+            slot.load_inputs(inputs, spec.written(inputs))
             bound = bind(plan, kernels, slot.data, inputs)
             outputs = self.call_checked(bound, slot, inputs, where)
             reference = spec.reference(inputs)
@@ -410,11 +464,13 @@ class Executor:
             result["error_rel_l2"] = max(result["error_rel_l2"], err)
             if trial == 0:  # same inputs again: bitwise, or within a small band
                 first = {n: slot.typed(n).clone() for n in slot.outputs_names}
+                first.update({n: slot.written_rows(n) for n in slot.inout_names})
                 again = self.call_checked(bound, slot, inputs, where + " (repeat)")
                 self.judge(spec, slot, again, reference, tol, where + " (repeat)")
                 band = DETERMINISM_BAND * tol
-                for name in slot.outputs_names:
-                    a, b = first[name], slot.typed(name)
+                for name in slot.outputs_names + slot.inout_names:
+                    a = first[name]
+                    b = slot.typed(name) if name in slot.outputs_names else slot.written_rows(name)
                     if not self.torch.equal(a, b):
                         diff = compare.run_to_run_difference(a, b)
                         if diff > band:
@@ -472,7 +528,7 @@ class Executor:
         return Reject("exception", f"{where}: {text}")
 
     def integrity(self, slot, inputs, where):
-        damaged, mutated, dirty = slot.damaged(inputs)
+        damaged, mutated, dirty, scribbled = slot.damaged(inputs)
         if damaged:
             raise Reject("out_of_bounds", f"{where}: wrote outside its buffers (canary zone of "
                                           f"{', '.join(damaged)} changed)")
@@ -481,13 +537,27 @@ class Executor:
         if dirty:
             raise Reject("workspace_state", f"{where}: persistent workspace {', '.join(dirty)} not left "
                                             "all-zero (state carried from one call to the next)")
+        if scribbled:
+            name = scribbled[0]
+            changed = slot.changed_rows(name, inputs[name])
+            first = int(changed.nonzero()[0, 0])
+            shape = slot.meta[name][0][:-1]
+            index = []
+            for d in reversed(shape):
+                index.append(first % d)
+                first //= d
+            raise Reject("inout_mutated", f"{where}: {', '.join(scribbled)} changed outside the rows the op "
+                                          f"writes ({int(changed.sum())} row(s) of {name}, first at "
+                                          f"{name}[{', '.join(map(str, reversed(index)))}])")
 
     def judge(self, spec, slot, outputs, reference, tol, where, guard_override=None):
         from kernelsearch.harness import compare
 
         worst = 0.0
-        for name in spec.out_names:
-            out = outputs[name]
+        for name in spec.out_names + spec.inout_names:
+            # an in/out tensor is judged on the rows the call writes (the rest is checked
+            # bitwise by integrity()), so an error in a few rows is not diluted by the others
+            out = outputs[name] if name in spec.out_names else slot.written_rows(name)
             err, problem = compare.compare(name, out, reference[name], tol)
             if problem:
                 guard = problem.guard
@@ -519,7 +589,7 @@ class Executor:
         slots = [Slot(self.torch, plan, signature, self.device, self.gen())]
         first = self.draw_inputs(spec, shape, dt, dist)
         first.update(scalars)
-        slots[0].load_inputs(first)
+        slots[0].load_inputs(first, spec.written(first))
         bounds = [bind(plan, kernels, slots[0].data, scalars)]
         # warm-up (compilation) and an eager timing that sets how many calls one replay holds
         self.run_guarded(bounds[0], slots[0], where)
@@ -530,7 +600,7 @@ class Executor:
             n = timing.calls_per_replay(eager_ms, max(1, SLOT_MEMORY_BUDGET // max(1, 2 * slot_bytes)))
             for _ in range(n - 1):
                 s = Slot(self.torch, plan, signature, self.device, self.gen())
-                s.load_inputs(first)
+                s.load_inputs(first, spec.written(first))
                 slots.append(s)
                 bounds.append(bind(plan, kernels, s.data, scalars))
                 self.run_guarded(bounds[-1], s, where)
@@ -542,7 +612,7 @@ class Executor:
             for s in slots:
                 inputs = self.draw_inputs(spec, shape, dt, dist)
                 inputs.update(scalars)
-                s.load_inputs(inputs)
+                s.load_inputs(inputs, spec.written(inputs))
                 state["inputs"].append(inputs)
                 state["poison"].append(s.poison(self.rng.choice(POISONS)))
 

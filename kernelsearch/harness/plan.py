@@ -152,11 +152,12 @@ def eval_expr(e: list, values: dict) -> float:
 
 
 def validate(raw, *, kernels: dict, roles: dict, inputs: set, scalars: set,
-             workspace_budget_bytes: int) -> Plan:
+             workspace_budget_bytes: int, inouts: set = frozenset()) -> Plan:
     """Check a sandbox-made plan against the checked source and the call's contract.
 
-    kernels: {name: source.KernelDef}; roles: {contract name: nbytes} for inputs and outputs;
-    inputs: those not to be written; scalars: names of contract scalars.
+    kernels: {name: source.KernelDef}; roles: {contract name: nbytes} for every contract tensor;
+    inputs: those not to be written; inouts: those only the kernels may write (a zero step
+    would wipe the rows the op keeps); scalars: names of contract scalars.
     """
     if not isinstance(raw, dict) or not isinstance(raw.get("buffers"), dict) or \
             not isinstance(raw.get("steps"), list):
@@ -203,6 +204,9 @@ def validate(raw, *, kernels: dict, roles: dict, inputs: set, scalars: set,
             r = ref(s.get("ref"), where)
             if r.buf in inputs:
                 raise PlanInvalid("input_mutated", f"{where}: zero_() of input {r.buf}")
+            if r.buf in inouts:
+                raise PlanInvalid("inout_mutated", f"{where}: zero_() of in/out tensor {r.buf} (only "
+                                                   "its written rows may change, by a kernel)")
             n = _int(s.get("nbytes"), f"{where} nbytes", 0, sizes[r.buf] - r.offset)
             steps.append(Zero(r, n))
         elif s.get("op") == "launch":

@@ -523,9 +523,10 @@ class Recorder:
     current: "Recorder | None" = None
     default_device = device("cpu")
 
-    def __init__(self, roles: dict, inputs: set):
+    def __init__(self, roles: dict, inputs: set, inouts: set = frozenset()):
         self.roles = roles            # Buffer -> contract name (inputs and outputs of this call)
         self.inputs = inputs          # the names among them that must not be written
+        self.inouts = inouts          # those only kernels may write (never zero_())
         self.steps: list = []
         self.local: list[Buffer] = []
         self.persistent: dict[int, Buffer] = {}
@@ -549,6 +550,9 @@ class Recorder:
     def zero(self, t: Tensor) -> None:
         if t._buffer in self.roles and self.roles[t._buffer] in self.inputs:
             raise PlanError(f"zero_() of input {self.roles[t._buffer]!r} (inputs must not be modified)")
+        if t._buffer in self.roles and self.roles[t._buffer] in self.inouts:
+            raise PlanError(f"zero_() of in/out tensor {self.roles[t._buffer]!r} (only the rows the op "
+                            "writes may change, by a kernel)")
         if not t.is_contiguous():
             raise PlanError("zero_() of a non-contiguous view")
         self.steps.append({"op": "zero", "ref": self.ref(t), "nbytes": t.nbytes})
@@ -870,7 +874,7 @@ def _steady_plan(launch, case: dict, params: dict) -> dict:
 
 def _plan_one(launch, case: dict, params: dict) -> dict:
     dev = Recorder.default_device
-    inputs, args, rec_roles = set(), [], {}
+    inputs, inouts, args, rec_roles = set(), set(), [], {}
     for spec in case["args"]:
         name = spec["name"]
         if spec["kind"] == "scalar":
@@ -883,8 +887,10 @@ def _plan_one(launch, case: dict, params: dict) -> dict:
         rec_roles[buf] = name
         if spec["role"] == "input":
             inputs.add(name)
+        elif spec["role"] == "inout":
+            inouts.add(name)
         args.append(Tensor(buf, 0, shape, strides, dt, dev))
-    rec = Recorder(rec_roles, inputs)
+    rec = Recorder(rec_roles, inputs, inouts)
     Recorder.current = rec
     try:
         launch(*args, **params)

@@ -13,12 +13,15 @@ of the model changes:
 - the MLP -> one gate|up projection (hwtune::linear on the two weights concatenated),
   hwtune::swiglu, then hwtune::linear for down;
 - attention -> one q|k|v projection (biases concatenated too, Qwen2 has them), hwtune::rope on
-  the model's own cos/sin (any RoPE variant the model computes arrives folded into them), the
-  cache's own update (the KV write stays stock: the harness has no in/out argument), then at
-  decode (one token, a StaticCache full-attention layer, an SDPA or eager mask)
-  hwtune::decode_attention over the whole static cache with each sequence's valid length read
-  from the mask; anywhere else (prefill, other caches) the model's own attention function;
-  o_proj through hwtune::linear;
+  the model's own cos/sin (any RoPE variant the model computes arrives folded into them) and
+  the cache's own update; at decode (one token) on an initialised StaticCache full-attention
+  layer instead hwtune::rope_kv_write on the fused q|k|v, which writes RoPE'd k and v straight
+  into the layer's own `keys` / `values` at its `cumulative_length` (advanced as
+  StaticLayer.update advances it) and returns RoPE'd q (not for Qwen3: its q_norm / k_norm sit
+  between the projection and RoPE; not with an offloading cache); then at decode (a StaticCache
+  full-attention layer, an SDPA or eager mask) hwtune::decode_attention over the whole static
+  cache with each sequence's valid length read from the mask; anywhere else (prefill, other
+  caches) the model's own attention function; o_proj through hwtune::linear;
 - lm_head -> hwtune::linear.
 Routing is per shape and read from the dispatch table once, at patch time: a call whose shape
 has a tuned, verified kernel for this device goes through the hwtune op (which runs it); any
@@ -244,6 +247,7 @@ class HwtuneAttention(nn.Module):
         self._qkv = _Projection(weight, routes)
         self._o = _Projection(self.o_proj.weight, routes)
         self._rope = routes.tuned("rope", weight.dtype, heads, ("B",))
+        self._rope_kv = routes.tuned("rope_kv_write", weight.dtype, heads, ("B", "S"))
         self._decode_shapes = routes.tuned("decode_attention", weight.dtype, heads, ("B", "S"))
         # Under torch.compile a padded row is turned into NaN once, in the first patched layer
         # (NaN then flows through every later layer): one small kernel per step, not per layer.
@@ -269,22 +273,33 @@ class HwtuneAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
-        if _uses(self._rope, bsz * q_len):
+        layer = self._kv_write_layer(cache, qkv, cos, cache_position) if q_len == 1 else None
+        if layer is not None:
+            # RoPE'd k and v go straight into the StaticCache layer's own tensors, at the slot
+            # StaticLayer.update would write (its cumulative_length), which then advances as
+            # update advances it: one launch instead of RoPE plus two index_copy_
+            keys, values = layer.keys, layer.values
+            positions = layer.cumulative_length.reshape(1).expand(bsz)
+            q = torch.ops.hwtune.rope_kv_write(qkv.reshape(bsz, hq + 2 * hkv, d), cos.reshape(-1, d),
+                                               sin.reshape(-1, d), positions, keys, values, self.table)
+            layer.cumulative_length.add_(1)
+            q = q.view(bsz, 1, hq, d)
+        elif _uses(self._rope, bsz * q_len):
             # contiguous here, where torch.compile fuses the copies with the split and the bias
             cos, sin = cos.expand(bsz, q_len, d).contiguous(), sin.expand(bsz, q_len, d).contiguous()
             q, k = torch.ops.hwtune.rope(q.contiguous(), k.contiguous(), cos, sin, self.table)
         else:   # the models' apply_rotary_pos_emb, in the [B, T, H, D] layout
             c, s = cos.unsqueeze(2), sin.unsqueeze(2)
             q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if cache is not None:
-            if cache_position is not None:
+        if layer is None:   # k and v not written yet
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            if cache is None:
+                keys, values = k, v
+            elif cache_position is not None:
                 keys, values = cache.update(k, v, self.layer_idx,
                                             {"sin": sin, "cos": cos, "cache_position": cache_position})
             else:
                 keys, values = cache.update(k, v, self.layer_idx)
-        else:
-            keys, values = k, v
         out = None
         if q_len == 1 and _uses(self._decode_shapes, (bsz, keys.shape[2])) and \
                 self._static_layer(cache, keys, attention_mask):
@@ -293,6 +308,31 @@ class HwtuneAttention(nn.Module):
             out = self._model_attention(q.transpose(1, 2), keys, values, attention_mask, kwargs)
         out = out.reshape(bsz, q_len, hq * d)
         return self._o(out, self.o_proj.weight, self.o_proj.bias), None
+
+    def _kv_write_layer(self, cache, qkv, cos, cache_position):
+        """The StaticCache layer hwtune::rope_kv_write writes into at this one-token step, or
+        None (today's path: RoPE, then cache.update): only where the table has a tuned entry
+        for the shape, an initialised full-attention StaticLayer of transformers 5 (keys and
+        values are allocated by its first update, the prefill's), no offloading, no q/k norm
+        between projection and RoPE (Qwen3), tensors of the op's dtypes and layout. Static
+        under torch.compile (types, attributes, shapes)."""
+        layers = getattr(cache, "layers", None)
+        if layers is None or self.q_norm is not None or cache_position is not None or \
+                getattr(cache, "offloading", False):
+            return None
+        layer = layers[self.layer_idx]
+        if type(layer) is not StaticLayer or not getattr(layer, "is_initialized", False) or \
+                not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+            return None
+        keys, values = layer.keys, layer.values
+        bsz, d, hkv = qkv.shape[0], self.head_dim, self.num_kv_heads
+        if tuple(keys.shape) != (bsz, hkv, keys.shape[2], d) or tuple(values.shape) != tuple(keys.shape) or \
+                keys.dtype != qkv.dtype or values.dtype != qkv.dtype or cos.dtype != qkv.dtype or \
+                not (keys.is_contiguous() and values.is_contiguous()) or keys.device != qkv.device:
+            return None
+        if not _uses(self._rope_kv, (bsz, keys.shape[2])):
+            return None
+        return layer
 
     def _static_layer(self, cache, keys, mask) -> bool:
         """A one-token step the decode kernel handles: a StaticCache full-attention layer and a

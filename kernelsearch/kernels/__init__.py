@@ -19,6 +19,7 @@ TEMPLATES = {
     "linear": "kernelsearch.kernels.linear",
     "swiglu": "kernelsearch.kernels.swiglu",
     "rope": "kernelsearch.kernels.rope",
+    "rope_kv_write": "kernelsearch.kernels.rope_kv_write",
 }
 
 

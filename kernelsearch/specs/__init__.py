@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from kernelsearch.specs.base import (DISTRIBUTIONS, DTYPES, KernelSpec, dtype_from_name,
                                      dtype_name)
-from kernelsearch.specs import (add_rmsnorm, decode_attention, linear, matmul, rmsnorm, rope, softmax,
-                               swiglu)
+from kernelsearch.specs import (add_rmsnorm, decode_attention, linear, matmul, rmsnorm, rope,
+                               rope_kv_write, softmax, swiglu)
 
 SPECS: dict[str, KernelSpec] = {
     "rmsnorm": rmsnorm.SPEC,
@@ -15,6 +15,7 @@ SPECS: dict[str, KernelSpec] = {
     "linear": linear.SPEC,
     "swiglu": swiglu.SPEC,
     "rope": rope.SPEC,
+    "rope_kv_write": rope_kv_write.SPEC,
 }
 
 

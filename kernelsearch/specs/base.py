@@ -74,6 +74,10 @@ class KernelSpec:
     name: str = ""
     arg_names: tuple[str, ...] = ()
     out_names: tuple[str, ...] = ()
+    # In/out tensors: among arg_names, read and written in place (a KV cache). make_inputs
+    # draws them like inputs; `written(inputs)` says which rows the op writes; reference()
+    # gives those rows' fp64 values; every other byte must keep its input value.
+    inout_names: tuple[str, ...] = ()
     # first entry is the primary dtype on that device
     dtypes: dict[str, tuple[str, ...]] = {"cpu": ("float32", "bfloat16"),
                                           "cuda": ("bfloat16", "float16", "float32")}
@@ -105,8 +109,16 @@ class KernelSpec:
         raise NotImplementedError
 
     def stock(self, inputs: dict, outputs: dict) -> None:
-        """The torch / cuBLAS fallback; writes into `outputs`."""
+        """The torch / cuBLAS fallback; writes into `outputs` (and in/out tensors in place)."""
         raise NotImplementedError
+
+    def written(self, inputs: dict) -> dict:
+        """{in/out name: bool tensor of that tensor's shape[:-1]}: the rows (vectors along the
+        last dimension) one call writes. reference() returns, under the same name, the fp64
+        values of exactly those rows, in the order `tensor[mask]` lists them ([rows, last
+        dim]). The written rows' new values must not depend on their old ones: the harness
+        poisons them before every call (a scatter into a buffer, e.g. a KV-cache write)."""
+        return {}
 
     # --- cost -------------------------------------------------------------------------
     def flops(self, shape: dict) -> int:
@@ -155,8 +167,14 @@ class KernelSpec:
                 strides.append(acc)
                 acc *= max(d, 1)
             out.append({"name": name, "kind": "tensor", "shape": list(shp), "strides": strides[::-1],
-                        "dtype": str(dt).removeprefix("torch."), "role": "output" if name in self.out_names else "input"})
+                        "dtype": str(dt).removeprefix("torch."), "role": self.role(name)})
         return out
+
+    def role(self, name: str) -> str:
+        """The tensor's role: "output", "inout" (read and written in place) or "input"."""
+        if name in self.out_names:
+            return "output"
+        return "inout" if name in self.inout_names else "input"
 
     def random_shape(self, rng, device: str) -> dict:
         """A shape from the op's valid domain that the published sweep does not list: a

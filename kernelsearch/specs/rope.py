@@ -10,8 +10,7 @@ for x = q[b, head] and x = k[b, head], i.e. for i < h
 cos and sin are inputs, not angles: every RoPE variant a model computes (scaled, llama3, yarn's
 attention factor) arrives already folded in. The two halves of a row are drawn independently:
 a kernel that reads only one half (Hugging Face duplicates them) is wrong here.
-Compute in fp32, store in q's dtype. The cache write stays outside: the harness has no
-argument that is both read and written.
+Compute in fp32, store in q's dtype. RoPE fused with the KV-cache write is rope_kv_write.
 """
 from __future__ import annotations
 
