@@ -484,6 +484,8 @@ VERIFIED_CHILD = textwrap.dedent('''
           "SPLIT_K": 2, "FMA": 1, "num_warps": 4, "num_stages": 2, "REDUCE": "last"}),
         ("decode_attention", {"B": B, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "S": S, "D": cfg.head_dim},
          "float32", {"BLOCK_S": 16, "NUM_SPLITS": 2, "num_warps": 4, "num_stages": 1}),
+        ("rope_kv_write", {"B": B, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": cfg.head_dim, "S": S},
+         "float32", {}),
     ])
     table.save(sys.argv[1])
     small = DispatchTable(table.to_json())  # one cheap entry: what the CLI test runs 40+ steps of
@@ -534,16 +536,19 @@ def test_tuned_step_runs_the_tables_verified_kernels_on_the_interpreter_and_stoc
     layers = PRESETS["tiny"].layers
     # add_rmsnorm: 2 per layer but the first, plus the final norm; matmul: only the qkv shape
     assert report["counts"] == {"add_rmsnorm:tuned": 2 * layers, "swiglu:tuned": layers,
-                                "matmul:tuned": layers, "decode_attention:tuned": layers}
+                                "matmul:tuned": layers, "decode_attention:tuned": layers,
+                                "rope_kv_write:tuned": layers}
     impl = report["impl"]
     for label, module in (("add_rmsnorm (mlp)", "add_rmsnorm"), ("swiglu", "swiglu"), ("matmul qkv", "matmul"),
-                          ("decode_attention", "decode_attention")):
+                          ("decode_attention", "decode_attention"), ("rope + kv write", "rope_kv_write")):
         assert impl[label].startswith(f"tuned kernelsearch.kernels.{module} "), impl
-    for label in ("rmsnorm (layer 0)", "matmul o", "matmul gate_up", "matmul down", "lm_head", "rope + kv write"):
+    for label in ("rmsnorm (layer 0)", "matmul o", "matmul gate_up", "matmul down", "lm_head"):
         assert impl[label] == "stock", impl
     per_layer, stock = report["per_layer"], report["per_layer_stock"]
     assert per_layer["swiglu"] == report["launches"]["swiglu"] >= 1 and stock["swiglu"] == 2
-    assert per_layer["decode_attention"] == report["launches"]["decode_attention"] + 1  # + the q copy (B > 1)
+    assert per_layer["rope + kv write"] == report["launches"]["rope + kv write"] == 1 and stock["rope + kv write"] == 4
+    # q comes out of the tuned rope_kv_write contiguous: no copy before the tuned attention
+    assert per_layer["decode_attention"] == report["launches"]["decode_attention"]
     assert per_layer["matmul o"] == 1 and per_layer["total"] == sum(v for k, v in per_layer.items() if k != "total")
 
 
