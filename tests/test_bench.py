@@ -567,3 +567,30 @@ def test_bench_with_a_given_table_runs_its_entries_and_does_not_search(verified_
     assert "autotable" not in proc.stderr and not (tmp_path / "state" / "ledger.sqlite").exists()
     from daemon.bench.report import interpreted
     assert interpreted(doc, tuned)
+
+
+def test_ensure_table_starts_a_kernel_only_when_its_share_of_the_budget_is_likely_to_fit(tmp_path, monkeypatch):
+    import time as _time
+
+    import kernelsearch.search as ks
+    from daemon.bench.autotable import ensure_table
+
+    calls = []
+
+    def fake_search(kernel, *, shapes, dtype, budget, dispatch_path, device, **kw):
+        calls.append({"kernel": kernel, "shapes": shapes, "dtype": dtype, "budget": budget,
+                      "path": dispatch_path, "device": device})
+        _time.sleep(0.4)  # 0.4 s for one evaluation of one shape
+        return type("R", (), {"shapes": [ks.ShapeReport(shape=s, dtype=dtype, stock_ms=1.0) for s in shapes]})()
+
+    monkeypatch.setattr(ks, "search", fake_search)
+    shapes = {"rmsnorm": [{"M": 1, "N": 64}, {"M": 2, "N": 64}], "matmul": [{"M": 1, "K": 64, "N": 64}]}
+    details = []
+    table, note = ensure_table(state_dir=tmp_path, device="cpu", dtype="bf16", shapes=shapes, budget_s=0.6,
+                               progress=lambda line: None, evals=1, details=details)
+    # matmul first (GEMMs lead); rmsnorm's two shapes would need ~0.8 s of the ~0.2 s left
+    assert [c["kernel"] for c in calls] == ["matmul"]
+    assert calls[0]["dtype"] == "bfloat16" and calls[0]["budget"] == 1 and calls[0]["shapes"] == shapes["matmul"]
+    assert str(calls[0]["path"]).startswith(str(tmp_path / "dispatch"))
+    assert {d["kernel"]: d["result"] for d in details}["rmsnorm"] == "not searched: time budget"
+    assert table is None and "rmsnorm x2 (time budget)" in note and "searched 1 of 3" in note

@@ -128,6 +128,7 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
              f"{path}: searching them ({evals} evaluation(s) per kernel, budget {budget_s:.0f} s)")
     order = [k for k in SEARCH_ORDER if k in missing] + sorted(set(missing) - set(SEARCH_ORDER))
     call_s: list[float] = []
+    work: list[int] = []       # evaluations x shapes of each search call
     skipped: list[str] = []
     kept = stock_won = 0
     for kernel in order:
@@ -144,7 +145,10 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
         if not todo:
             continue
         left = budget_s - (time.monotonic() - started)
-        if left <= 0 or (call_s and left < max(call_s)):
+        # seconds per (evaluation x shape) so far: a kernel starts only when its share is
+        # likely to fit (one child run measures every missing shape of the kernel)
+        rate = sum(call_s) / max(1, sum(work)) if call_s else 0.0
+        if left <= 0 or rate * max(1, int(evals)) * len(todo) > left:
             for shape in todo:
                 details.append({"kernel": kernel, "shape": shape, "dtype": dtype,
                                 "result": "not searched: time budget"})
@@ -166,8 +170,10 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
             skipped.append(f"{kernel} (search failed: {type(exc).__name__})")
             progress(f"autotable: search {kernel} failed: {type(exc).__name__}: {exc}")
             call_s.append(time.monotonic() - t)
+            work.append(max(1, int(evals)) * len(todo))
             continue
         call_s.append(time.monotonic() - t)
+        work.append(max(1, int(evals)) * len(todo))
         against = spec.stock_name
         for r in result.shapes:
             best = r.best or {}
