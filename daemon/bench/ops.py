@@ -183,11 +183,11 @@ def _shape_key(kernel: str, shape: dict, dtype: str) -> tuple:
 
 def entry_record(entry, launches: int | None = None) -> dict:
     """What the report says about a tuned entry: the `Entry` fields a person checks."""
-    plan = entry.plan or {}
-    steps = plan.get("steps") or ()
-    source = dict(entry.source or {})
+    data = entry.to_json()  # plain JSON values (the entry's own mappings are read-only views)
+    steps = (data.get("plan") or {}).get("steps") or ()
+    source = data.get("source") or {}
     where = source.get("module") or source.get("path") or "?"
-    params = {k: v for k, v in (entry.params or {}).items()}
+    params = data.get("params") or {}
     return {"impl": f"tuned {where} {params}, {entry.describe_speedup()}",
             "source": source, "params": params, "candidate_ms": entry.candidate_ms,
             "stock_ms": entry.stock_ms, "speedup": entry.speedup, "against": entry.against,
