@@ -88,8 +88,8 @@ def _fmt(v, spec=".1f"):
 
 def interpreted(doc: dict, row: dict) -> bool:
     """A CPU row that ran Triton kernels: under the interpreter, so a timing, not a speed."""
-    return doc.get("label") == "cpu" and any(not str(impl).startswith("stock")
-                                             for impl in (row.get("kernels") or {}).values())
+    return doc.get("label") == "cpu" and (bool(row.get("interpreter_timing")) or any(
+        not str(impl).startswith("stock") for impl in (row.get("kernels") or {}).values()))
 
 
 def _variant_label(doc: dict, row: dict, variant: str) -> str:
@@ -153,6 +153,7 @@ def markdown(doc: dict, base: dict | None = None, png_name: str | None = "report
         for d in table["search"]:
             shape = " ".join(f"{k}={v}" for k, v in (d.get("shape") or {}).items())
             lines.append(f"| {d.get('kernel')} | {shape} | {d.get('dtype')} | {d.get('result')} |")
+    lines += hf_markdown(doc)
     if doc.get("tuned_kernels"):
         lines += ["", "## Kernels the tuned variant used", ""]
         for shape, used in doc["tuned_kernels"].items():
@@ -176,6 +177,41 @@ def markdown(doc: dict, base: dict | None = None, png_name: str | None = "report
     if png_name:
         lines += ["", f"![throughput]({png_name})"]
     return "\n".join(lines) + "\n"
+
+
+def hf_markdown(doc: dict) -> list[str]:
+    """The hf-llama rows' own table: errors against hf eager, speedup against hf compiled, and
+    what each patch changed."""
+    hf = doc.get("hf")
+    if not hf:
+        return []
+    m = hf.get("model") or {}
+    lines = ["", "## Hugging Face LlamaForCausalLM (--model hf-llama)", "",
+             f"{m.get('name')}: {m.get('source')}, {hf.get('dtype')}, transformers {hf.get('transformers')}, "
+             f"torch {hf.get('torch')}; StaticCache of ctx positions; errors: max |diff| / max |ref| "
+             f"against hf eager (decode: {hf.get('check')} teacher-forced steps); % of floor: the full "
+             "step (logits out) against weights + KV bytes over the copy bandwidth.", ""]
+    if hf.get("note"):
+        lines += [f"- {hf['note']}", ""]
+    lines += ["| variant | batch | ctx | ms/step | tokens/s | tokens/J | % of floor | vs hf compiled | "
+              "prefill err | decode err | same token | status |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in doc.get("decode", []):
+        if r.get("model") != "hf-llama":
+            continue
+        same = r.get("same_token_share")
+        lines.append(f"| {r.get('label', r['variant'])} | {r['batch']} | {r['ctx']} | {_fmt(r.get('step_ms'), '.3f')} | "
+                     f"{_fmt(r.get('tokens_per_s'), '.0f')} | {_fmt(r.get('tokens_per_j')) if r.get('tokens_per_j') else 'n/a'} | "
+                     f"{_fmt(r.get('pct_of_floor_with_head'), '.0f')} | {_fmt(r.get('speedup_vs_hf_compiled'), '.2f')} | "
+                     f"{_fmt(r.get('prefill_err_vs_hf_eager'), '.1e')} | {_fmt(r.get('decode_err_vs_hf_eager'), '.1e')} | "
+                     f"{format(same, '.0%') if same is not None else '-'} | {str(r.get('status'))[:120]} |")
+    if hf.get("kernel_table"):
+        lines += ["", f"hwtune kernels: {hf['kernel_table'].get('note')}"]
+    for r in doc.get("decode", []):
+        if r.get("model") == "hf-llama" and r.get("patch_report"):
+            lines += ["", f"{r.get('label', r['variant'])} {r['batch']}x{r['ctx']}:", ""]
+            lines += [f"    {line}" for line in r["patch_report"]]
+    return lines
 
 
 def plot(doc: dict, base: dict | None, path: Path) -> Path:

@@ -576,9 +576,12 @@ class Bench:
 
 
 def format_table(doc: dict) -> str:
+    hf_rows = [r for r in doc["decode"] if r.get("model") == "hf-llama"]   # their own table, below
+    builtin = [r for r in doc["decode"] if r.get("model") != "hf-llama"]
     lines = [f"{'variant':8s} {'batch':>5s} {'ctx':>6s} {'step ms':>9s} {'tokens/s':>10s} "
-             f"{'tokens/J':>9s} {'%fl+head':>8s} {'no-head ms':>10s} {'% floor':>8s}  status"]
-    for r in doc["decode"]:
+             f"{'tokens/J':>9s} {'%fl+head':>8s} {'no-head ms':>10s} {'% floor':>8s}  status"] \
+        if builtin or not hf_rows else []
+    for r in builtin:
         ok = r.get("status") == "ok"
         lines.append(
             f"{r['variant']:8s} {r['batch']:5d} {r['ctx']:6d} "
@@ -612,4 +615,7 @@ def format_table(doc: dict) -> str:
                          f"{r['tokens_per_s']:.0f} tok/s{tj}")
         else:
             lines.append(f"prefill {r['variant']} {r['batch']}x{r['tokens']}: {r.get('status')}")
+    if doc.get("hf"):
+        from daemon.bench.hf import format_lines
+        lines += format_lines(doc)
     return "\n".join(lines)

@@ -28,8 +28,9 @@ def add_bench_arguments(p) -> None:
     m.add_argument("--shapes", default=None, metavar="BxCTX,...",
                    help="decode batch x context, e.g. 1x2048,8x2048,32x2048,1x8192")
     m.add_argument("--prefill", default=None, metavar="BxT,...", help="prefill batch x tokens")
-    m.add_argument("--variants", default="eager,graphed,compile,tuned",
-                   help="comma list of eager, graphed, compile, tuned")
+    m.add_argument("--variants", default=None,
+                   help="comma list of eager, graphed, compile, tuned (built-in, all by default) and "
+                        "hf-eager, hf-compiled, hf-hwtune, hf-liger (hf-llama, all by default)")
     m.add_argument("--steps", type=int, default=50, help="timed decode steps (median; >= 20)")
     m.add_argument("--warmup", type=int, default=10, help="untimed decode steps before the timed ones")
     m.add_argument("--energy-window-s", type=float, default=2.0,
@@ -43,6 +44,15 @@ def add_bench_arguments(p) -> None:
                         "variant first runs the kernel search there (within half of --budget-s): "
                         "evaluations per kernel, each measuring all its missing shapes")
     m.add_argument("--seed", type=int, default=0, help="seed of the model weights and tokens")
+    h = p.add_argument_group("Hugging Face model")
+    h.add_argument("--model", default="builtin", metavar="builtin,hf-llama",
+                   help="builtin (the built-in decoder), hf-llama (transformers' LlamaForCausalLM: "
+                        "eager, compiled, patched by hwtune, Liger), or both in one run and report")
+    h.add_argument("--model-path", default=None, metavar="DIR",
+                   help="hf-llama: a local checkpoint (config.json + *.safetensors; nothing is "
+                        "downloaded) instead of random weights with Llama-3-8B dimensions")
+    h.add_argument("--check", type=int, default=8,
+                   help="hf-llama: decode steps whose logits are compared with hf eager's (teacher-forced)")
     w = p.add_argument_group("your workload instead of the built-in model")
     # dest differs from "command": the CLI keeps the subcommand's name there.
     w.add_argument("--command", dest="workload_command", default=None, metavar="CMD",
@@ -69,6 +79,46 @@ def _load_json(path: Path, what: str) -> dict:
         raise UsageError(f"{what} {path}: not JSON ({exc})") from exc
 
 
+MODELS = ("builtin", "hf-llama")
+
+
+def _models(args) -> tuple:
+    """--model, --model-path and --variants checked before anything is measured."""
+    models = tuple(m.strip() for m in (args.model or "builtin").split(",") if m.strip())
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        raise UsageError(f"--model {args.model}: expected builtin, hf-llama or builtin,hf-llama")
+    if args.from_results or args.workload_command:
+        return models
+    from daemon.bench import hf
+    from daemon.bench.run import VARIANTS
+
+    if args.model_path is not None:
+        if "hf-llama" not in models:
+            raise UsageError("--model-path is for --model hf-llama")
+        problem = hf.check_model_path(args.model_path)
+        if problem:
+            raise UsageError(problem)
+    if args.check < 1:
+        raise UsageError(f"--check {args.check}: at least 1 compared step")
+    if args.variants is not None:
+        names = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = sorted(set(names) - set(VARIANTS) - set(hf.VARIANTS))
+        if unknown:
+            raise UsageError(f"--variants: unknown {', '.join(unknown)}")
+        for model, known in (("builtin", VARIANTS), ("hf-llama", hf.VARIANTS)):
+            if model in models and not set(names) & set(known):
+                raise UsageError(f"--variants {args.variants}: none for --model {model} "
+                                 f"({', '.join(known)})")
+    return models
+
+
+def _variants(args, known) -> tuple:
+    if args.variants is None:
+        return tuple(known)
+    return tuple(v for v in (x.strip() for x in args.variants.split(",")) if v in known)
+
+
 def run_bench(args, ctx) -> int:
     from daemon.context import ensure_writable_dir
 
@@ -86,6 +136,7 @@ def run_bench(args, ctx) -> int:
             # The tuned variant runs Triton kernels, on a CPU only under the interpreter: the
             # same as `hwtune search --device cpu`, so the table a search wrote is used here.
             os.environ.setdefault("TRITON_INTERPRET", "1")
+    args.models = _models(args)   # after TRITON_INTERPRET: this imports torch
     if out_dir is not None:  # before measuring: minutes of work must not end in "cannot write"
         ensure_writable_dir(out_dir, "--out" if args.out else "report directory",
                             "choose another with --out DIR")
@@ -134,22 +185,23 @@ def _measure(args, ctx) -> dict:
         doc = {"label": "workload", "workload": run_workload(
             args.workload_command, args.metric_regex or DEFAULT_METRIC_REGEX, args.command_timeout_s, reader)}
         table_path = args.table
+    elif args.models == ("hf-llama",):
+        reader = _gpu_reader(args.device) if _cuda(args) else None
+        doc = _measure_hf(args, ctx, reader, None)
+        table_path = args.table
     else:
-        from daemon.bench.run import Bench, BenchOptions, parse_shapes
+        from daemon.bench.run import VARIANTS, Bench, BenchOptions, parse_shapes
         try:
             opts = BenchOptions(
                 device=args.device, preset=args.preset, layers=args.layers, vocab=args.vocab,
                 dtype=args.dtype, shapes=parse_shapes(args.shapes or ""),
                 prefill_shapes=parse_shapes(args.prefill or ""),
-                variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
+                variants=_variants(args, VARIANTS),
                 steps=args.steps, warmup=args.warmup, energy_window_s=args.energy_window_s,
                 budget_s=args.budget_s, table_path=args.table, state_dir=str(ctx.state_dir),
                 search_evals=args.search_evals, seed=args.seed)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
-        unknown = set(opts.variants) - {"eager", "graphed", "compile", "tuned"}
-        if unknown:
-            raise UsageError(f"--variants: unknown {', '.join(sorted(unknown))}")
         try:
             import torch
             cuda = torch.cuda.is_available() and args.device != "cpu"
@@ -158,9 +210,54 @@ def _measure(args, ctx) -> dict:
         reader = _gpu_reader(args.device) if cuda else None
         doc = Bench(opts, reader=reader).run()
         table_path = opts.table_path
+        if "hf-llama" in args.models:   # one run, one report: the hf rows join the built-in ones
+            hf_doc = _measure_hf(args, ctx, reader, doc.get("copy_bandwidth_gbs"))
+            doc["decode"] += hf_doc["decode"]
+            doc["hf"] = hf_doc["hf"]
+            doc["models"] = list(args.models)
     gpu_facts = reader.facts() if reader is not None and reader.available else None
     doc["fingerprint"] = fingerprint.collect(ctx, gpu_facts=gpu_facts, table_path=table_path)
     return doc
+
+
+def _cuda(args) -> bool:
+    try:
+        import torch
+    except ImportError as exc:
+        raise UsageError("hwtune bench needs torch for --model hf-llama (or use --command)") from exc
+    return torch.cuda.is_available() and args.device != "cpu"
+
+
+def _measure_hf(args, ctx, reader, copy_bandwidth_gbs) -> dict:
+    """The hf-llama rows; alone, a document of the built-in rows' structure."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"--model hf-llama needs transformers: {exc}") from exc
+    from daemon.bench import hf
+    from daemon.bench.run import parse_shapes
+
+    cuda = _cuda(args)
+    try:
+        shapes = parse_shapes(args.shapes or "")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    dtype = args.dtype or ("bf16" if cuda else "fp32")
+    opts = hf.HfOptions(
+        device="cuda" if cuda else "cpu", tiny=(args.preset == "tiny") if args.preset else not cuda,
+        layers=args.layers, vocab=args.vocab, model_path=args.model_path, dtype=dtype,
+        shapes=shapes or ([(1, 2048), (8, 2048), (32, 2048)] if cuda else [(1, 96)]),
+        variants=_variants(args, hf.VARIANTS), steps=args.steps, warmup=args.warmup, check=args.check,
+        energy_window_s=args.energy_window_s if cuda else 0.0, budget_s=args.budget_s,
+        table_path=args.table, state_dir=str(ctx.state_dir), seed=args.seed)
+    out = hf.HfBench(opts, reader=reader, copy_bandwidth_gbs=copy_bandwidth_gbs).run()
+    section = out["hf"]
+    return {"label": "cuda" if cuda else "cpu", "device": opts.device, "model": section["model"],
+            "dtype": dtype, "variants": list(opts.variants), "steps": opts.steps, "warmup": opts.warmup,
+            "energy_window_s": opts.energy_window_s, "decode": out["decode"], "prefill": [], "floors": [],
+            "copy_bandwidth_gbs": section["copy_bandwidth_gbs"], "models": ["hf-llama"],
+            "energy_source": reader.source if (reader is not None and reader.available) else None,
+            "hf": section}
 
 
 def _gpu_reader(device: str):

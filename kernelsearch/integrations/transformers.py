@@ -591,5 +591,37 @@ def patched_report(model) -> PatchReport | None:
     return None if record is None else record.report
 
 
+# --- the shapes a patched model looks up -----------------------------------------------------
+def decode_shapes(config, batches, context) -> dict[str, list[dict]]:
+    """Every (kernel, shape) a patched Llama-family model's one-token decode step on a StaticCache
+    of `context` positions looks up in the table, per batch size: the keys of
+    kernelsearch.dispatch.SHAPE_OF, what a search needs to cover. `batches` and `context`: an int
+    or a list of ints. Qwen3's q_norm / k_norm add rmsnorm rows of head_dim (B*Hq and B*Hkv rows)."""
+    batches = [batches] if isinstance(batches, int) else list(batches)
+    contexts = [context] if isinstance(context, int) else list(context)
+    h, i = config.hidden_size, config.intermediate_size
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or h // hq
+    out: dict[str, list[dict]] = {k: [] for k in ("rmsnorm", "linear", "swiglu", "rope", "decode_attention")}
+
+    def add(kernel, shape):
+        if shape not in out[kernel]:
+            out[kernel].append(shape)
+
+    per_head_norms = getattr(config, "model_type", "") == "qwen3"
+    for b in batches:
+        add("rmsnorm", {"M": b, "N": h})
+        if per_head_norms:
+            add("rmsnorm", {"M": b * hq, "N": d})
+            add("rmsnorm", {"M": b * hkv, "N": d})
+        for k, n in ((h, (hq + 2 * hkv) * d), (hq * d, h), (h, 2 * i), (i, h), (h, config.vocab_size)):
+            add("linear", {"M": b, "K": k, "N": n})     # qkv, o, gate|up, down, lm_head
+        add("swiglu", {"M": b, "I": i})
+        add("rope", {"B": b, "Hq": hq, "Hkv": hkv, "D": d})
+        for s in contexts:
+            add("decode_attention", {"B": b, "Hq": hq, "Hkv": hkv, "S": s, "D": d})
+    return out
+
+
 __all__ = ["patch", "unpatch", "patched_report", "PatchReport", "HwtuneRMSNorm", "HwtuneLinear",
-           "HwtuneMLP", "HwtuneAttention", "SUPPORTED", "KNOWN_ROPE"]
+           "HwtuneMLP", "HwtuneAttention", "SUPPORTED", "KNOWN_ROPE", "decode_shapes"]

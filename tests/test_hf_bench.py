@@ -1,0 +1,193 @@
+"""`hwtune bench --model hf-llama` on CPU: transformers' LlamaForCausalLM, eager, compiled, patched by
+hwtune with harness-verified Triton kernels (the interpreter), and Liger Kernel's patch, through
+the CLI in a child process; a local checkpoint through --model-path; the decode shapes a search
+must cover are the ones the patched model looks up.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kernelsearch import dispatch  # noqa: E402
+from kernelsearch.integrations.transformers import decode_shapes, patch, unpatch  # noqa: E402
+
+from conftest import ROOT  # noqa: E402
+
+CACHE = "cache" if "cache" in __import__("inspect").signature(transformers.LlamaModel.forward).parameters \
+    else "past_key_values"
+
+
+def child_env(**extra):
+    return {"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": os.environ.get("HOME", "/root"), **extra}
+
+
+def hwtune(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "daemon.cli", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout, env=child_env())
+
+
+class RecordingTable(dispatch.DispatchTable):
+    """Every op call's (kernel, shape) as the table's lookup sees it; all run stock."""
+
+    def __init__(self):
+        super().__init__({"format": 1, "fingerprint_id": "recording", "entries": []})
+        self.entries = ["(not empty: the ops ask route())"]
+        self.seen = []
+
+    def route(self, kernel, *args):
+        self.seen.append((kernel, dispatch.SHAPE_OF[kernel](args)))
+        return None, None, "recording"
+
+
+@pytest.mark.parametrize("name,extra", [("Llama", {}), ("Qwen3", {"head_dim": 16})])
+def test_decode_shapes_are_exactly_the_shapes_the_patched_decode_step_looks_up(name, extra):
+    config = getattr(transformers, name + "Config")(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=80, max_position_embeddings=64, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, name + "ForCausalLM")(config).eval()
+    table = RecordingTable()
+    patch(model, table, stock_through_ops=True)
+    try:
+        for batch, context in ((3, 12), (1, 20)):
+            cache = transformers.StaticCache(config=config, max_cache_len=context)
+            ids = torch.randint(0, 80, (batch, 4))
+            with torch.no_grad():
+                out = model(ids, **{CACHE: cache}, use_cache=True)
+                table.seen.clear()   # the prefill's shapes are not decode shapes
+                model(out.logits[:, -1:].argmax(-1), **{CACHE: cache}, use_cache=True)
+            seen = {}
+            for kernel, shape in table.seen:
+                seen.setdefault(kernel, [])
+                if shape not in seen[kernel]:
+                    seen[kernel].append(shape)
+            want = {k: v for k, v in decode_shapes(config, [batch], context).items() if v}
+            assert {k: sorted(map(str, v)) for k, v in seen.items()} == \
+                {k: sorted(map(str, v)) for k, v in want.items()}
+    finally:
+        unpatch(model)
+    both = decode_shapes(config, [1, 3], [12, 20])
+    assert len(both["decode_attention"]) == 4 and len(both["linear"]) == 10
+
+
+TABLE_CHILD = textwrap.dedent('''
+    import sys
+    sys.path.insert(0, "tests")
+    from tuned_tables import verified_table
+    from daemon.bench.hf import llama3_8b_config
+    from kernelsearch.integrations.transformers import decode_shapes
+
+    config = llama3_8b_config(layers=1, tiny=True)
+    entries = []
+    for kernel, shapes in decode_shapes(config, [1, 2], [32, 40]).items():
+        for shape in shapes:
+            params = {"BLOCK_S": 16, "NUM_SPLITS": 1, "num_warps": 4, "num_stages": 1} \\
+                if kernel == "decode_attention" else {}
+            entries.append((kernel, shape, "float32", params))
+    verified_table(entries).save(sys.argv[1])
+    print(len(entries))
+''')
+
+
+@pytest.fixture(scope="module")
+def tiny_table(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf-table") / "table.json"
+    proc = subprocess.run([sys.executable, "-c", TABLE_CHILD, str(path)], cwd=ROOT, text=True,
+                          capture_output=True, timeout=300, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return path, int(proc.stdout.split()[-1])
+
+
+def liger_importable() -> str | None:
+    proc = subprocess.run([sys.executable, "-c", "import liger_kernel.transformers"], text=True,
+                          capture_output=True, timeout=120, env=child_env())
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def test_hf_llama_on_cpu_gives_every_row_with_hwtunes_tuned_kernels_within_tolerance(tmp_path, tiny_table):
+    table, n_entries = tiny_table
+    state = tmp_path / "state"
+    proc = hwtune("--state-dir", str(state), "bench", "--model", "hf-llama", "--device", "cpu",
+                  "--layers", "1", "--shapes", "2x40,1x32", "--steps", "20", "--warmup", "1", "--check", "3",
+                  "--table", str(table), "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    assert doc["label"] == "cpu" and doc["hf"]["model"]["layers"] == 1
+    assert "interpreter" in doc["hf"]["note"]
+    rows = doc["decode"]
+    assert [(r["variant"], r["batch"], r["ctx"]) for r in rows] == \
+        [(v, b, c) for b, c in ((2, 40), (1, 32)) for v in ("hf-eager", "hf-compiled", "hf-hwtune", "hf-liger")]
+    for r in rows:
+        assert r["model"] == "hf-llama" and r["interpreter_timing"] is True
+        assert r.get("tokens_per_j") is None   # no NVML on a CPU: n/a, never a made-up number
+    for r in rows:
+        if r["variant"] != "hf-liger":
+            assert r["status"] == "ok", r
+            assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(r["batch"] / (r["step_ms"] * 1e-3))
+            assert r["decode_err_vs_hf_eager"] < 1e-4 and r["prefill_err_vs_hf_eager"] < 1e-4
+            assert r["same_token_share"] == 1.0 and "warning" not in r
+            assert r["speedup_vs_hf_compiled"] > 0
+    tuned = [r for r in rows if r["variant"] == "hf-hwtune"]
+    for r in tuned:
+        # every decode shape of this model had a verified entry: tuned kernels ran, not stock
+        assert r["patch_report"][0].startswith("hwtune patch LlamaForCausalLM: 3 rms_norm, 1 mlp, 1 attention, 1 lm_head")
+        assert f"{n_entries} tuned shapes here" in r["patch_report"][0]
+        assert r["decode_err_vs_hf_eager"] > 0   # other kernels than stock really ran
+    compiled = [r for r in rows if r["variant"] == "hf-compiled"]
+    assert all(r["speedup_vs_hf_compiled"] == 1.0 for r in compiled)
+    why = liger_importable()
+    for r in (r for r in rows if r["variant"] == "hf-liger"):
+        if why is not None:
+            assert r["status"].startswith("skipped: liger_kernel not importable: "), r
+        else:   # it ran, or says exactly what failed (its kernels under the interpreter)
+            assert r["status"] == "ok" or (r["status"].startswith("error: ") and r["traceback"]), r
+            assert r["patch_report"][0].startswith("liger_kernel ")
+    # liger rebinds transformers' modeling_llama names: undone, or the next shape's eager would run it
+    assert rows[4]["status"] == "ok" and rows[4]["decode_err_vs_hf_eager"] == 0.0
+    for step in ("building LlamaForCausalLM", "hf eager", "hf compiled: compiled in",
+                 "hwtune patched + compiled", "liger + compiled"):
+        assert step in proc.stderr.replace("hf-compiled: compiled in", "hf compiled: compiled in"), step
+
+
+def test_model_path_loads_a_local_checkpoint_next_to_the_builtin_rows_in_one_report(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    config = transformers.LlamaConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=72,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(config).save_pretrained(ckpt)
+    out = tmp_path / "out"
+    proc = hwtune("--state-dir", str(tmp_path / "state"), "bench", "--model", "builtin,hf-llama",
+                  "--model-path", str(ckpt), "--device", "cpu", "--variants", "eager,hf-eager,hf-compiled",
+                  "--shapes", "1x30", "--prefill", "1x8", "--steps", "20", "--warmup", "1", "--check", "2",
+                  "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["hf"]["model"]["source"] == f"checkpoint {ckpt}"
+    assert (doc["hf"]["model"]["hidden"], doc["hf"]["model"]["vocab"]) == (48, 72)
+    assert [(r.get("model", "builtin"), r["variant"]) for r in doc["decode"]] == \
+        [("builtin", "eager"), ("hf-llama", "hf-eager"), ("hf-llama", "hf-compiled")]
+    assert all(r["status"] == "ok" for r in doc["decode"])
+    md = (out / "report.md").read_text()
+    assert "## Hugging Face LlamaForCausalLM" in md and "hf compiled" in md
+    assert "hf eager" in proc.stdout and "vs hf compiled" in proc.stdout   # the terminal table
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "hf-llama", "--model-path", "/nonexistent/ckpt"], "--model-path /nonexistent/ckpt: no such directory"),
+    (["--model", "gpt2"], "--model gpt2: expected builtin, hf-llama"),
+    (["--model", "hf-llama", "--variants", "eager"], "none for --model hf-llama"),
+])
+def test_bad_model_arguments_are_one_line_and_exit_2(tmp_path, args, message):
+    proc = hwtune("--state-dir", str(tmp_path / "state"), "bench", "--device", "cpu", *args, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert proc.stdout == ""
