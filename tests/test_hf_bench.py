@@ -140,7 +140,10 @@ def test_hf_llama_on_cpu_gives_every_row_with_hwtunes_tuned_kernels_within_toler
         # every decode shape of this model had a verified entry: tuned kernels ran, not stock
         assert r["patch_report"][0].startswith("hwtune patch LlamaForCausalLM: 3 rms_norm, 1 mlp, 1 attention, 1 lm_head")
         assert f"{n_entries} tuned shapes here" in r["patch_report"][0]
-        assert r["decode_err_vs_hf_eager"] > 0   # other kernels than stock really ran
+        routes = r["table_routes"]   # every decode op ran its tuned kernel, none fell back to stock
+        assert {k for k in routes if k.endswith(":tuned")} == \
+            {f"{k}:tuned" for k in ("rmsnorm", "linear", "swiglu", "rope", "decode_attention")}, routes
+        assert not [k for k in routes if k.endswith(":stock")], routes
     assert rows[1]["speedup_vs_hf_compiled"] == 1.0
     why = liger_importable()
     for r in (r for r in rows if r["variant"] == "hf-liger"):
@@ -223,3 +226,23 @@ def test_liger_patch_is_undone_exactly_so_that_the_next_rows_run_stock_transform
                           timeout=120, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "undone: liger_kernel " in proc.stdout
+
+
+def test_rewind_replays_the_same_cache_positions_for_the_energy_window():
+    from daemon.bench.hf import llama3_8b_config, rewind
+
+    config = llama3_8b_config(layers=1, tiny=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    cache = transformers.StaticCache(config=config, max_cache_len=12)
+    token = torch.tensor([[5], [9]])
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 6)), **{CACHE: cache}, use_cache=True)
+        first = model(token, **{CACHE: cache}, use_cache=True).logits
+        second = model(token, **{CACHE: cache}, use_cache=True).logits   # one position later
+        if not rewind(cache, 2):
+            pytest.skip("this transformers' StaticCache keeps no cumulative_length tensor")
+        again = model(token, **{CACHE: cache}, use_cache=True).logits
+    assert not torch.equal(first, second)
+    assert torch.equal(again, first)
+    assert int(cache.get_seq_length()) == 7

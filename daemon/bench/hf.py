@@ -233,7 +233,8 @@ def resolve_table(opts: HfOptions, config, left_s: float):
 
 
 # ---- one mode -------------------------------------------------------------------------------
-def run_mode(model, mode: str, opts: HfOptions, prompt, forced=None, reader=None) -> dict:
+def run_mode(model, mode: str, opts: HfOptions, prompt, forced=None, reader=None,
+             fullgraph: bool = True) -> dict:
     """Prefill eagerly, `check` teacher-forced steps (kept; they also compile), `warmup`, then
     `steps` timed steps. -> {times_ms, checked, prefill, fed, compile_s, energy}."""
     from transformers import StaticCache
@@ -246,8 +247,8 @@ def run_mode(model, mode: str, opts: HfOptions, prompt, forced=None, reader=None
     graphs = cuda and mode != "hf-eager"
     if mode != "hf-eager":
         torch._dynamo.reset()
-        compile_kw = dict(mode="reduce-overhead", fullgraph=True) if cuda else \
-            dict(fullgraph=True, backend="aot_eager")   # CPU: no CUDA graphs, no C++ toolchain
+        compile_kw = dict(mode="reduce-overhead", fullgraph=fullgraph) if cuda else \
+            dict(fullgraph=fullgraph, backend="aot_eager")   # CPU: no CUDA graphs, no C++ toolchain
         forward = torch.compile(model.forward, **compile_kw)
 
     def step(token):
@@ -318,6 +319,15 @@ class HfBench:
 
     def left_s(self) -> float:
         return self.opts.budget_s - (time.monotonic() - self.t0)
+
+    compile_s: float | None = None   # the last compile's seconds, to plan the budget
+
+    def budget_problem(self, mode: str) -> str | None:
+        left = self.left_s()
+        if mode == "hf-eager" or left >= 10 and (self.compile_s is None or left >= 1.5 * self.compile_s + 20):
+            return None
+        return "skipped: time budget spent" + (f" (the last compile took {self.compile_s:.0f}s; "
+                                               "raise --budget-s)" if self.compile_s else "")
 
     def run(self) -> dict:
         """-> {"decode": [rows], "hf": {the section}} in the built-in rows' structure."""
@@ -391,14 +401,17 @@ class HfBench:
                    "status": "ok"}
             if not cuda:
                 row["interpreter_timing"] = True
-            if self.left_s() < 10 and mode != "hf-eager":
-                row["status"] = "skipped: time budget spent"
+            skip = self.budget_problem(mode)
+            if skip:
+                row["status"] = skip
                 rows[mode] = row
                 continue
             undo = None
             t_start = time.monotonic()
             try:
                 if mode == "hf-hwtune":
+                    if table is not None:
+                        table.counts.clear()
                     report = patch(model, table)
                     row["patch_report"] = report.lines()
                     section["patch_reports"][f"{batch}x{ctx}"] = report.lines()
@@ -411,8 +424,25 @@ class HfBench:
                     undo, row["patch_report"] = liger_apply(model)
                 log(f"hf-llama {batch}x{ctx}: {LABELS[mode]}")
                 forced = results["hf-eager"]["fed"] if "hf-eager" in results else None
-                res = run_mode(model, mode, o, prompt, forced, self.reader)
+                try:
+                    res = run_mode(model, mode, o, prompt, forced, self.reader)
+                except Exception as exc:
+                    if mode != "hf-liger" or not type(exc).__module__.startswith("torch._dynamo"):
+                        raise
+                    # Liger's modules are autograd.Functions around Triton kernels, which a
+                    # torch.compile may not trace in one graph: what a user would do next.
+                    row["fullgraph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    log(f"hf-llama {mode}: fullgraph=True failed ({row['fullgraph_error'][:120]}); "
+                        "again with fullgraph=False")
+                    res = run_mode(model, mode, o, prompt, forced, self.reader, fullgraph=False)
+                    row["note"] = "compiled with fullgraph=False (graph breaks allowed)"
                 results[mode] = res
+                if mode == "hf-hwtune" and table is not None:
+                    # op calls by route while the mode ran (traced, eager prefill, steps); under
+                    # CUDA graphs a replay calls nothing: the routes are those of the captures
+                    row["table_routes"] = {f"{k}:{r}": n for (k, r), n in sorted(table.counts.items())}
+                if res["compile_s"] is not None:
+                    self.compile_s = res["compile_s"]
                 ms = statistics.median(res["times_ms"])
                 row.update(step_ms=ms, step_ms_mean=statistics.fmean(res["times_ms"]),
                            tokens_per_s=batch / (ms * 1e-3), compile_s=res["compile_s"])
