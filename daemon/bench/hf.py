@@ -68,6 +68,7 @@ class HfOptions:
     table_path: str | None = None
     state_dir: str | None = None
     seed: int = 0
+    search_evals: int | None = None      # ensure_table's evals (None: its default)
 
 
 def check_model_path(path) -> str | None:
@@ -205,31 +206,52 @@ def liger_problem() -> str | None:
 
 # ---- the table ------------------------------------------------------------------------------
 def resolve_table(opts: HfOptions, config, left_s: float):
-    """(table | None, note): --table, else the state dir's table for this device, else the
-    table ensure_table searches for the model's decode shapes (branch tunedops)."""
-    from daemon.bench.ops import default_table_path, load_table
+    """(table | None, note, details): --table as it is; else ensure_table (branch tunedops): the
+    state dir's table for this device, the model's missing decode shapes searched first within
+    half of what is left of the budget; without ensure_table, the state dir's table as it is."""
+    from kernelsearch.integrations.transformers import decode_shapes
 
-    path = opts.table_path
-    if path is None and opts.state_dir is not None:
-        path = default_table_path(opts.state_dir, opts.device)
-    if opts.table_path is not None or (path is not None and Path(path).exists()):
-        return load_table(path)
+    if opts.table_path is not None and not Path(opts.table_path).exists():
+        return None, f"--table {opts.table_path}: no such file (the patched model runs stock)", []
     try:
         from daemon.bench.autotable import ensure_table
     except ImportError as exc:
+        path = opts.table_path or (_state_table_path(opts) if opts.state_dir is not None else None)
+        if path is not None and Path(path).exists():
+            table, note = _load_table(path)
+            return table, note, []
         return None, (f"no table: none at {path}, and the search for missing shapes is not there "
-                      f"({exc}); pass --table")
-    from kernelsearch.integrations.transformers import decode_shapes
-
+                      f"({exc}); pass --table"), []
     shapes = decode_shapes(config, sorted({b for b, _ in opts.shapes}), sorted({c for _, c in opts.shapes}))
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[opts.dtype]
-    budget = max(0.0, min(left_s * 0.5, opts.budget_s * 0.5))
-    log(f"hf-llama: no table at {path}: searching the decode shapes, budget {budget:.0f}s")
+    budget = max(0.0, min(left_s, opts.budget_s) * 0.5)
+    extra = {} if opts.search_evals is None else {"evals": opts.search_evals, "details": []}
+    log(f"hf-llama: dispatch table for the decode shapes (search budget {budget:.0f}s where missing)")
     try:
-        return ensure_table(state_dir=opts.state_dir, device=opts.device, dtype=dtype, shapes=shapes,
-                            budget_s=budget, table_path=None, progress=lambda line: log("  " + line))
+        table, note = ensure_table(state_dir=opts.state_dir, device=opts.device, dtype=dtype, shapes=shapes,
+                                   budget_s=budget, table_path=opts.table_path,
+                                   progress=lambda line: log("  " + line), **extra)
     except Exception as exc:   # a failed search is a note: the patched model runs stock
-        return None, f"no table: the search failed: {type(exc).__name__}: {str(exc)[:200]}"
+        return None, f"no table: the search failed: {type(exc).__name__}: {str(exc)[:200]}", []
+    return table, note, extra.get("details", [])
+
+
+def _state_table_path(opts: HfOptions):
+    try:
+        from kernelsearch.dispatch import table_path
+        from kernelsearch.fingerprint import collect, fingerprint_id
+    except Exception:   # triton missing: no table, the patched model runs stock
+        return None
+    return table_path(opts.state_dir, fingerprint_id(collect(opts.device)))
+
+
+def _load_table(path):
+    from kernelsearch.dispatch import DispatchTable
+
+    try:
+        return DispatchTable.load(path), f"dispatch table {path}"
+    except Exception as exc:
+        return None, f"dispatch table {path} failed to load: {type(exc).__name__}: {exc}"
 
 
 # ---- one mode -------------------------------------------------------------------------------
@@ -361,9 +383,9 @@ class HfBench:
         if not cuda:
             section["note"] = INTERPRETER_NOTE
         if "hf-hwtune" in o.variants:
-            table, note = resolve_table(o, config, self.left_s())
+            table, note, searched = resolve_table(o, config, self.left_s())
             section["kernel_table"] = {"path": str(o.table_path) if o.table_path else None,
-                                       "loaded": table is not None, "note": note}
+                                       "loaded": table is not None, "note": note, "search": searched}
             log(f"hf-llama: kernels for hf-hwtune: {note}")
         liger_skip = liger_problem() if "hf-liger" in o.variants else None
         rows = []

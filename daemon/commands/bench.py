@@ -36,7 +36,7 @@ def add_bench_arguments(p) -> None:
     m.add_argument("--energy-window-s", type=float, default=2.0,
                    help="NVML energy window per measurement (>= 2 s; 0 skips energy)")
     m.add_argument("--budget-s", type=float, default=270.0,
-                   help="stop starting new measurements after this many seconds")
+                   help="stop starting new measurements after this many seconds (per model)")
     m.add_argument("--table", default=None, metavar="PATH",
                    help="dispatch table (default STATE_DIR/dispatch/<fingerprint-id>.json)")
     m.add_argument("--search-evals", type=int, default=DEFAULT_EVALS,
@@ -249,7 +249,8 @@ def _measure_hf(args, ctx, reader, copy_bandwidth_gbs) -> dict:
         shapes=shapes or ([(1, 2048), (8, 2048), (32, 2048)] if cuda else [(1, 96)]),
         variants=_variants(args, hf.VARIANTS), steps=args.steps, warmup=args.warmup, check=args.check,
         energy_window_s=args.energy_window_s if cuda else 0.0, budget_s=args.budget_s,
-        table_path=args.table, state_dir=str(ctx.state_dir), seed=args.seed)
+        table_path=args.table, state_dir=str(ctx.state_dir), seed=args.seed,
+        search_evals=getattr(args, "search_evals", None))   # --search-evals: with branch tunedops
     out = hf.HfBench(opts, reader=reader, copy_bandwidth_gbs=copy_bandwidth_gbs).run()
     section = out["hf"]
     return {"label": "cuda" if cuda else "cpu", "device": opts.device, "model": section["model"],
