@@ -69,13 +69,18 @@ def test_decode_shapes_are_exactly_the_shapes_the_patched_decode_step_looks_up(n
                 seen.setdefault(kernel, [])
                 if shape not in seen[kernel]:
                     seen[kernel].append(shape)
-            want = {k: v for k, v in decode_shapes(config, [batch], context).items() if v}
+            want = decode_shapes(config, [batch], context)
+            if name == "Llama":   # every shape through the ops: the fused rope_kv_write, never rope
+                assert "rope_kv_write" in want and "rope" in want
+                want.pop("rope")
+            else:                 # Qwen3's q_norm / k_norm sit before RoPE: rope, no rope_kv_write
+                assert "rope_kv_write" not in want
             assert {k: sorted(map(str, v)) for k, v in seen.items()} == \
                 {k: sorted(map(str, v)) for k, v in want.items()}
     finally:
         unpatch(model)
     both = decode_shapes(config, [1, 3], [12, 20])
-    assert len(both["decode_attention"]) == 4 and len(both["linear"]) == 10
+    assert len(both["decode_attention"]) == 4 and len(both["linear"]) == 10 and len(both["rope"]) == 2
 
 
 TABLE_CHILD = textwrap.dedent('''
@@ -89,8 +94,8 @@ TABLE_CHILD = textwrap.dedent('''
     entries = []
     for kernel, shapes in decode_shapes(config, [2], [40]).items():
         for shape in shapes:
-            params = {"BLOCK_S": 16, "NUM_SPLITS": 1, "num_warps": 4, "num_stages": 1} \\
-                if kernel == "decode_attention" else {}
+            params = {"decode_attention": {"BLOCK_S": 16, "NUM_SPLITS": 1, "num_warps": 4, "num_stages": 1},
+                      "rope_kv_write": {"HEADS_PER_PROG": 2, "num_warps": 1}}.get(kernel, {})
             entries.append((kernel, shape, "float32", params))
     verified_table(entries).save(sys.argv[1])
     print(len(entries))
@@ -142,7 +147,7 @@ def test_hf_llama_on_cpu_gives_every_row_with_hwtunes_tuned_kernels_within_toler
         assert f"{n_entries} tuned shapes here" in r["patch_report"][0]
         routes = r["table_routes"]   # every decode op ran its tuned kernel, none fell back to stock
         assert {k for k in routes if k.endswith(":tuned")} == \
-            {f"{k}:tuned" for k in ("rmsnorm", "linear", "swiglu", "rope", "decode_attention")}, routes
+            {f"{k}:tuned" for k in ("rmsnorm", "linear", "swiglu", "rope_kv_write", "decode_attention")}, routes
         assert not [k for k in routes if k.endswith(":stock")], routes
     assert rows[1]["speedup_vs_hf_compiled"] == 1.0
     why = liger_importable()

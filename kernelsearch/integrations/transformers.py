@@ -596,13 +596,16 @@ def decode_shapes(config, batches, context) -> dict[str, list[dict]]:
     """Every (kernel, shape) a patched Llama-family model's one-token decode step on a StaticCache
     of `context` positions looks up in the table, per batch size: the keys of
     kernelsearch.dispatch.SHAPE_OF, what a search needs to cover. `batches` and `context`: an int
-    or a list of ints. Qwen3's q_norm / k_norm add rmsnorm rows of head_dim (B*Hq and B*Hkv rows)."""
+    or a list of ints. Qwen3's q_norm / k_norm add rmsnorm rows of head_dim (B*Hq and B*Hkv rows)
+    and leave out rope_kv_write (the norms sit between the projection and RoPE). Both rope and
+    rope_kv_write are listed: the step calls rope_kv_write where it is tuned, else rope."""
     batches = [batches] if isinstance(batches, int) else list(batches)
     contexts = [context] if isinstance(context, int) else list(context)
     h, i = config.hidden_size, config.intermediate_size
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or h // hq
-    out: dict[str, list[dict]] = {k: [] for k in ("rmsnorm", "linear", "swiglu", "rope", "decode_attention")}
+    out: dict[str, list[dict]] = {k: [] for k in ("rmsnorm", "linear", "swiglu", "rope", "rope_kv_write",
+                                                  "decode_attention")}
 
     def add(kernel, shape):
         if shape not in out[kernel]:
@@ -619,8 +622,10 @@ def decode_shapes(config, batches, context) -> dict[str, list[dict]]:
         add("swiglu", {"M": b, "I": i})
         add("rope", {"B": b, "Hq": hq, "Hkv": hkv, "D": d})
         for s in contexts:
+            if not per_head_norms:
+                add("rope_kv_write", {"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s})
             add("decode_attention", {"B": b, "Hq": hq, "Hkv": hkv, "S": s, "D": d})
-    return out
+    return {k: v for k, v in out.items() if v}
 
 
 __all__ = ["patch", "unpatch", "patched_report", "PatchReport", "HwtuneRMSNorm", "HwtuneLinear",
