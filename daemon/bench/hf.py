@@ -92,7 +92,8 @@ def llama3_8b_config(layers: int | None = None, tiny: bool = False, vocab: int |
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     common = dict(rope_parameters=rope, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                  tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False)
+                  tie_word_embeddings=False, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                  attn_implementation="sdpa")
     if tiny:
         return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 2,
                            num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab or 256, **common)
@@ -110,7 +111,6 @@ def build_model(opts: HfOptions):
         model = LlamaForCausalLM.from_pretrained(opts.model_path, local_files_only=True, dtype=dtype)
         return model.to(opts.device).eval(), f"checkpoint {opts.model_path}"
     config = llama3_8b_config(opts.layers, opts.tiny, opts.vocab)
-    config._attn_implementation = "sdpa"
     torch.manual_seed(opts.seed)
     with torch.device(opts.device):
         model = LlamaForCausalLM(config).to(dtype).eval()
@@ -472,6 +472,10 @@ class HfBench:
                     row["floor_with_head_ms"] = floor["floor_with_head_ms"]
                     row["pct_of_floor_with_head"] = 100.0 * floor["floor_with_head_ms"] / ms
                 e = res["energy"]
+                row["tokens_per_j"] = None
+                if e is None:
+                    row["energy_note"] = "n/a: no NVML energy counter on a CPU" if not cuda else (
+                        "n/a: --energy-window-s 0" if o.energy_window_s <= 0 else "n/a: no NVML energy reader")
                 if e:
                     row["energy"] = e
                     if e.get("energy_j"):
@@ -527,7 +531,7 @@ def format_lines(doc: dict) -> list[str]:
         lines.append(
             f"{LABELS.get(r['variant'], r['variant']):26s} {r['batch']:5d} {r['ctx']:6d} "
             f"{fmt(r.get('step_ms'), '.3f'):>9s} {fmt(r.get('tokens_per_s'), '.0f'):>10s} "
-            f"{fmt(r.get('tokens_per_j'), '.1f'):>9s} "
+            f"{fmt(r.get('tokens_per_j'), '.1f') if r.get('tokens_per_j') or r.get('status') != 'ok' else 'n/a':>9s} "
             f"{(fmt(r.get('pct_of_floor_with_head'), '.0f') + '%') if r.get('pct_of_floor_with_head') else '-':>8s} "
             f"{(fmt(r.get('speedup_vs_hf_compiled'), '.2f') + 'x') if r.get('speedup_vs_hf_compiled') else '-':>14s} "
             f"{fmt(r.get('prefill_err_vs_hf_eager'), '.2e'):>11s} {fmt(r.get('decode_err_vs_hf_eager'), '.2e'):>10s} "
