@@ -252,3 +252,20 @@ def test_rewind_replays_the_same_cache_positions_for_the_energy_window():
     assert not torch.equal(first, second)
     assert torch.equal(again, first)
     assert int(cache.get_seq_length()) == 7
+
+
+def test_without_a_table_the_decode_shapes_are_searched_into_the_state_dir_first(tmp_path):
+    state = tmp_path / "state"
+    proc = hwtune("--state-dir", str(state), "bench", "--model", "hf-llama", "--device", "cpu",
+                  "--layers", "1", "--shapes", "1x30", "--steps", "20", "--warmup", "1", "--check", "2",
+                  "--variants", "hf-eager,hf-hwtune", "--search-evals", "1", "--budget-s", "40", "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    kt = doc["hf"]["kernel_table"]
+    assert str(state / "dispatch") in kt["note"], kt["note"]
+    from daemon.bench.hf import llama3_8b_config
+    want = decode_shapes(llama3_8b_config(layers=1, tiny=True), [1], [30])
+    searched = {(d["kernel"], json.dumps(d["shape"], sort_keys=True)) for d in kt["search"]}
+    # what the search was asked for: this model's decode shapes (those the budget reached)
+    assert searched and searched <= {(k, json.dumps(s, sort_keys=True)) for k, v in want.items() for s in v}
+    assert [r["status"] for r in doc["decode"]] == ["ok", "ok"]

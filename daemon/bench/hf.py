@@ -46,6 +46,7 @@ LABELS = {"hf-eager": "hf eager", "hf-compiled": "hf compiled",
           "hf-hwtune": "hwtune patched + compiled", "hf-liger": "liger + compiled"}
 TOLERANCE = 5e-2   # of max |logit|: bf16 noise over a few layers, far below a wrong kernel
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 INTERPRETER_NOTE = ("cpu: Triton kernels ran under the interpreter and compile used aot_eager: "
                     "these rows prove the pipeline and the logits, their times are not speeds")
 
@@ -68,7 +69,7 @@ class HfOptions:
     table_path: str | None = None
     state_dir: str | None = None
     seed: int = 0
-    search_evals: int | None = None      # ensure_table's evals (None: its default)
+    search_evals: int | None = None      # ensure_table's evals per kernel (None: its default)
 
 
 def check_model_path(path) -> str | None:
@@ -206,52 +207,26 @@ def liger_problem() -> str | None:
 
 # ---- the table ------------------------------------------------------------------------------
 def resolve_table(opts: HfOptions, config, left_s: float):
-    """(table | None, note, details): --table as it is; else ensure_table (branch tunedops): the
-    state dir's table for this device, the model's missing decode shapes searched first within
-    half of what is left of the budget; without ensure_table, the state dir's table as it is."""
+    """(table | None, note, search details) from ensure_table: --table as it is; else the state
+    dir's table for this device, the model's missing decode shapes searched first within half of
+    what is left of the budget (the built-in tuned variant's rule)."""
+    from daemon.bench.autotable import ensure_table
     from kernelsearch.integrations.transformers import decode_shapes
 
     if opts.table_path is not None and not Path(opts.table_path).exists():
         return None, f"--table {opts.table_path}: no such file (the patched model runs stock)", []
-    try:
-        from daemon.bench.autotable import ensure_table
-    except ImportError as exc:
-        path = opts.table_path or (_state_table_path(opts) if opts.state_dir is not None else None)
-        if path is not None and Path(path).exists():
-            table, note = _load_table(path)
-            return table, note, []
-        return None, (f"no table: none at {path}, and the search for missing shapes is not there "
-                      f"({exc}); pass --table"), []
     shapes = decode_shapes(config, sorted({b for b, _ in opts.shapes}), sorted({c for _, c in opts.shapes}))
-    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[opts.dtype]
     budget = max(0.0, min(left_s, opts.budget_s) * 0.5)
-    extra = {} if opts.search_evals is None else {"evals": opts.search_evals, "details": []}
+    details: list = []
+    extra = {} if opts.search_evals is None else {"evals": opts.search_evals}
     log(f"hf-llama: dispatch table for the decode shapes (search budget {budget:.0f}s where missing)")
     try:
-        table, note = ensure_table(state_dir=opts.state_dir, device=opts.device, dtype=dtype, shapes=shapes,
-                                   budget_s=budget, table_path=opts.table_path,
-                                   progress=lambda line: log("  " + line), **extra)
+        table, note = ensure_table(state_dir=opts.state_dir, device=opts.device, dtype=DTYPE_NAMES[opts.dtype],
+                                   shapes=shapes, budget_s=budget, table_path=opts.table_path,
+                                   progress=lambda line: log("  " + line), details=details, **extra)
     except Exception as exc:   # a failed search is a note: the patched model runs stock
-        return None, f"no table: the search failed: {type(exc).__name__}: {str(exc)[:200]}", []
-    return table, note, extra.get("details", [])
-
-
-def _state_table_path(opts: HfOptions):
-    try:
-        from kernelsearch.dispatch import table_path
-        from kernelsearch.fingerprint import collect, fingerprint_id
-    except Exception:   # triton missing: no table, the patched model runs stock
-        return None
-    return table_path(opts.state_dir, fingerprint_id(collect(opts.device)))
-
-
-def _load_table(path):
-    from kernelsearch.dispatch import DispatchTable
-
-    try:
-        return DispatchTable.load(path), f"dispatch table {path}"
-    except Exception as exc:
-        return None, f"dispatch table {path} failed to load: {type(exc).__name__}: {exc}"
+        return None, f"no table: the search failed: {type(exc).__name__}: {str(exc)[:200]}", details
+    return table, note, details
 
 
 # ---- one mode -------------------------------------------------------------------------------

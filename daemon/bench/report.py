@@ -207,6 +207,9 @@ def hf_markdown(doc: dict) -> list[str]:
                      f"{format(same, '.0%') if same is not None else '-'} | {str(r.get('status'))[:120]} |")
     if hf.get("kernel_table"):
         lines += ["", f"hwtune kernels: {hf['kernel_table'].get('note')}"]
+        for d in hf["kernel_table"].get("search") or []:
+            shape = " ".join(f"{k}={v}" for k, v in (d.get("shape") or {}).items())
+            lines.append(f"- searched {d.get('kernel')} {shape} {d.get('dtype')}: {d.get('result')}")
     for r in doc.get("decode", []):
         if r.get("model") == "hf-llama" and r.get("patch_report"):
             lines += ["", f"{r.get('label', r['variant'])} {r['batch']}x{r['ctx']}:", ""]

@@ -250,7 +250,7 @@ def _measure_hf(args, ctx, reader, copy_bandwidth_gbs) -> dict:
         variants=_variants(args, hf.VARIANTS), steps=args.steps, warmup=args.warmup, check=args.check,
         energy_window_s=args.energy_window_s if cuda else 0.0, budget_s=args.budget_s,
         table_path=args.table, state_dir=str(ctx.state_dir), seed=args.seed,
-        search_evals=getattr(args, "search_evals", None))   # --search-evals: with branch tunedops
+        search_evals=args.search_evals)
     out = hf.HfBench(opts, reader=reader, copy_bandwidth_gbs=copy_bandwidth_gbs).run()
     section = out["hf"]
     return {"label": "cuda" if cuda else "cpu", "device": opts.device, "model": section["model"],
