@@ -1,24 +1,59 @@
 """Linear template (nn.Linear without bias): out[M, N] = x[M, K] @ weight[N, K].T.
 
-The matmul template's two variants, for a weight stored the way nn.Linear stores it: each
-output feature is one contiguous row of K values, so the weight is always read along K
-([BLOCK_N, BLOCK_K] tiles, 16-byte loads along K) and multiplied through tl.trans.
+The weight is stored the way nn.Linear stores it: each output feature is one contiguous row of
+K values, so the weight is always read along K ([BLOCK_N, BLOCK_K] tiles, 16-byte loads along K).
 - "tiled" (prefill shapes): each program computes a BLOCK_M x BLOCK_N tile with tl.dot over
   BLOCK_K steps, programs ordered in GROUP_M-tall groups so that neighbours share tiles of x
   and of the weight in L2.
-- "splitk" (decode shapes, M = batch): a weight-streaming GEMV/GEMM. Each program streams a
-  [BLOCK_N, BLOCK_K] slab of the weight per step and covers one of SPLIT_K ranges of K, so that
-  N / BLOCK_N column blocks x SPLIT_K programs fill the chip. The rows of x go through tl.dot
-  (padded to at least 16; BLOCK_M caps the rows per program, so batch 32 streams the weight
-  once with BLOCK_M >= 32) or, with FMA=1 (batch 1-4), a broadcast multiply into a
-  [rows, BLOCK_N, BLOCK_K] fp32 accumulator summed over K at the end. Partial sums go to an
-  fp32 workspace [SPLIT_K, M, N] summed in a fixed order (deterministic, no float atomics):
-  by a second kernel (REDUCE="launch") or by the program that arrives last at its tile
-  (REDUCE="last": a CTA barrier, then an acq_rel arrival counter, as in the matmul template;
-  the counters are allocated zeroed once per device and set back to 0 by the last program,
-  so CUDA graphs need no fill kernel). One split writes `out` directly.
+- "gemv" (decode, batch 1-8): a weight-streaming GEMV without tl.dot. A program takes
+  BLOCK_N weight rows and min(next power of two of M, BLOCK_M <= 8) rows of x (rows past M
+  re-read valid ones, only the stores are masked), and over its range of K accumulates the
+  products into a [BLOCK_N, BLOCK_K] fp32 tile (batch 1) or a [rows, BLOCK_N, BLOCK_K] one,
+  summed over K once after the loop (no cross-lane reduction per step). Rows are capped so
+  that the accumulator stays at <= 64 registers a thread (GEMV_ACC_PER_WARP). Weight loads
+  carry evict_first (each byte is read once; x, re-read by every program, stays in L2).
+  SPLIT_K > 1 reduces as "splitk" does.
+- "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16;
+  BLOCK_M caps the rows per program, so batch 32 streams the weight once with BLOCK_M >= 32)
+  or, with FMA=1, a broadcast multiply (superseded by "gemv", kept for old dispatch tables).
+  Each program covers one of SPLIT_K ranges of K, so that N / BLOCK_N column blocks x SPLIT_K
+  programs fill the chip. Partial sums go to an fp32 workspace [SPLIT_K, M, N] summed in a
+  fixed order (deterministic, no float atomics): by a second kernel (REDUCE="launch") or by
+  the program that arrives last at its tile (REDUCE="last": a CTA barrier, then an acq_rel
+  arrival counter, as in the matmul template; the counters are allocated zeroed once per
+  device and set back to 0 by the last program, so CUDA graphs need no fill kernel). One split
+  writes `out` directly.
 fp32 accumulation, cast on store; fp32 operands use exact (ieee) dots, the interpreter's bf16
 arithmetic being wrong, operands are upcast on the CPU.
+
+Why each config (H200: 132 SMs, ~4.3 TB/s by copy; at ~0.7 us of DRAM latency that is ~3 MB
+in flight, ~23 KB per SM; "tile" = the weight bytes one program loads per K step; programs at
+the 4096 x 4096 projection, N / BLOCK_N x splits; Llama-3-8B N runs 4096..128256, K 4096/14336):
+  G1 gemv 8x1024, 8 warps: 16 KB tile, 32 accumulator registers a thread, so up to 8 programs
+     fit an SM: 512 programs = 3.9 per SM, all resident, ~62 KB in flight per SM. The first
+     guess for batch 1 at every N.
+  G2 gemv 4x512: 4 KB tile, 1024 programs = 7.8 per SM (~31 KB per SM): the smallest grain,
+     for the tail of the 4096-wide shapes.
+  G3 gemv 8x512: 8 KB tile, 512 programs (~31 KB per SM), 4 warps.
+  G4 gemv 16x512: 16 KB tile, 64 registers a thread; 256 programs at N = 4096 (1.9 per SM:
+     uneven), meant for the wide N (28672: 1792 programs, lm_head 128256: 8016).
+  G5 gemv 16x256, split 2: 8 KB tile, 512 programs; K = 14336 (down_proj) in 7168-long halves.
+  G6 gemv 32x256, split 4, 8 warps: 16 KB tile, 512 programs, K = 14336 in quarters.
+  D1 splitk 32x32x256, split 4, 3 stages: 32 KB a stage (x and weight), 96 KB of shared
+     memory = 2 programs per SM; 512 programs = 1.9 rounds; 2 stages ahead = 128 KB per SM.
+  D2 splitk 32x64x256, split 2, 2 stages: 48 KB a stage, 2 per SM; 128 programs at N = 4096
+     (under one wave), 896 at 28672, 4008 at lm_head: the wide-N config of batch 32.
+  D3 splitk 32x64x256, split 4, 3 stages: 144 KB, 1 per SM, 256 programs, 96 KB ahead.
+  D4 splitk 32x64x128, split 4, 4 stages: 24 KB a stage, 96 KB = 2 per SM, 256 programs.
+  D5 splitk 32x128x128, split 8, 8 warps: 40 KB a stage, 120 KB = 1 per SM, 256 programs.
+  T1, T2 tiled 128x128x64 / 128x256x64: the prefill tiles (compute bound, tl.dot on wgmma).
+Order: the grid strategy walks the template's domain in SPACE order (kernelsearch.proposers:
+params sorted by name, so BLOCK_K outermost, listed descending, then BLOCK_M ascending: 8 is
+gemv, 32 splitk, 128 tiled) and under a budget B takes B points evenly spread over it. CONFIGS
+is listed in that same order (tests/test_linear_gemv.py holds it), so the gemv block comes
+first, then the batch-32 block, then prefill, and any B >= 2 samples both decode blocks in
+proportion (B = 6: G1, G3, G5, D1, D3, D5; B = 2: G1, D1). List order is also what callers
+that take CONFIGS[0] or the middle entry see (check-kernel, the bench without a table).
 """
 from __future__ import annotations
 
@@ -68,9 +103,8 @@ def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last", fma=0):
             "REDUCE": reduce if sk > 1 else "launch"}
 
 
-# Curated, not the product of SPACE; the docstring says why each entry is here. List order is
-# what a caller that takes CONFIGS[0] (check-kernel, the bench without a table) sees; the grid
-# strategy walks them in SPACE order instead (see "Order").
+# Curated, not the product of SPACE; the docstring says why each entry is here and in what
+# order the grid strategy walks them (the list order, G1..T2).
 CONFIGS = [
     # batch 1-8: the GEMV (rows per program = next power of two of M, at most 8)
     _cfg("gemv", 8, 8, 1024, 1, 8, 3),      # G1
@@ -80,7 +114,7 @@ CONFIGS = [
     _cfg("gemv", 8, 16, 256, 2, 4, 3),      # G5
     _cfg("gemv", 8, 32, 256, 4, 8, 3),      # G6
     # batch 9-64: tl.dot with all 32 rows in one program (the weight is streamed once)
-    _cfg("splitk", 32, 32, 256, 4, 4, 4),   # D1
+    _cfg("splitk", 32, 32, 256, 4, 4, 3),   # D1
     _cfg("splitk", 32, 64, 256, 2, 4, 2),   # D2
     _cfg("splitk", 32, 64, 256, 4, 4, 3),   # D3
     _cfg("splitk", 32, 64, 128, 4, 4, 4),   # D4
