@@ -37,7 +37,7 @@ FLUSH_BYTES = 256 << 20
 COPY_BYTES = 2 << 30
 ROTATE_BYTES = 512 << 20     # weight copies per graph until their bytes pass this
 TOLERANCE = 1e-2
-QUICK_SHAPES = [{"M": 1, "K": 64, "N": 96}, {"M": 3, "K": 100, "N": 40}]
+QUICK_SHAPES = [{"M": 1, "K": 1100, "N": 24}, {"M": 3, "K": 100, "N": 40}, {"M": 33, "K": 80, "N": 12}]
 
 
 def log(msg: str) -> None:

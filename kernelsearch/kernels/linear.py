@@ -32,28 +32,30 @@ the 4096 x 4096 projection, N / BLOCK_N x splits; Llama-3-8B N runs 4096..128256
   G1 gemv 8x1024, 8 warps: 16 KB tile, 32 accumulator registers a thread, so up to 8 programs
      fit an SM: 512 programs = 3.9 per SM, all resident, ~62 KB in flight per SM. The first
      guess for batch 1 at every N.
-  G2 gemv 4x512: 4 KB tile, 1024 programs = 7.8 per SM (~31 KB per SM): the smallest grain,
-     for the tail of the 4096-wide shapes.
-  G3 gemv 8x512: 8 KB tile, 512 programs (~31 KB per SM), 4 warps.
-  G4 gemv 16x512: 16 KB tile, 64 registers a thread; 256 programs at N = 4096 (1.9 per SM:
+  G2 gemv 8x512, 4 warps: 8 KB tile, 512 programs (~31 KB per SM), 16 programs fit an SM.
+  G3 gemv 16x512: 16 KB tile, 64 registers a thread; 256 programs at N = 4096 (1.9 per SM:
      uneven), meant for the wide N (28672: 1792 programs, lm_head 128256: 8016).
-  G5 gemv 16x256, split 2: 8 KB tile, 512 programs; K = 14336 (down_proj) in 7168-long halves.
-  G6 gemv 32x256, split 4, 8 warps: 16 KB tile, 512 programs, K = 14336 in quarters.
-  D1 splitk 32x32x256, split 4, 3 stages: 32 KB a stage (x and weight), 96 KB of shared
-     memory = 2 programs per SM; 512 programs = 1.9 rounds; 2 stages ahead = 128 KB per SM.
-  D2 splitk 32x64x256, split 2, 2 stages: 48 KB a stage, 2 per SM; 128 programs at N = 4096
-     (under one wave), 896 at 28672, 4008 at lm_head: the wide-N config of batch 32.
+  G4 gemv 16x256, split 2: 8 KB tile, 512 programs; K = 14336 (down_proj) in 7168-long halves.
+  G5 gemv 32x256, split 4, 8 warps: 16 KB tile, 512 programs, K = 14336 in quarters.
+  D1 splitk 32x32x256, one split, 3 stages: 32 KB a stage (x and weight), 96 KB of shared
+     memory = 2 programs per SM; no workspace: for the wide N (896 programs at 28672, 4008 at
+     lm_head, where 4 splits would write and re-read 65 MB of fp32 partials); 128 at 4096.
+  D2 splitk 32x32x256, split 4: as D1, 512 programs at 4096 = 1.9 rounds of 2 per SM, two
+     stages ahead = 128 KB per SM. The first guess for batch 32.
   D3 splitk 32x64x256, split 4, 3 stages: 144 KB, 1 per SM, 256 programs, 96 KB ahead.
-  D4 splitk 32x64x128, split 4, 4 stages: 24 KB a stage, 96 KB = 2 per SM, 256 programs.
-  D5 splitk 32x128x128, split 8, 8 warps: 40 KB a stage, 120 KB = 1 per SM, 256 programs.
+  D4 splitk 32x32x128, split 4, 4 stages: 16 KB a stage, 64 KB = 3 per SM, 512 programs.
+  D5 splitk 32x64x128, split 4, 4 stages: 24 KB a stage, 96 KB = 2 per SM, 256 programs.
+  D6 splitk 32x128x128, split 8, 8 warps: 40 KB a stage, 120 KB = 1 per SM, 256 programs.
   T1, T2 tiled 128x128x64 / 128x256x64: the prefill tiles (compute bound, tl.dot on wgmma).
 Order: the grid strategy walks the template's domain in SPACE order (kernelsearch.proposers:
 params sorted by name, so BLOCK_K outermost, listed descending, then BLOCK_M ascending: 8 is
 gemv, 32 splitk, 128 tiled) and under a budget B takes B points evenly spread over it. CONFIGS
 is listed in that same order (tests/test_linear_gemv.py holds it), so the gemv block comes
 first, then the batch-32 block, then prefill, and any B >= 2 samples both decode blocks in
-proportion (B = 6: G1, G3, G5, D1, D3, D5; B = 2: G1, D1). List order is also what callers
-that take CONFIGS[0] or the middle entry see (check-kernel, the bench without a table).
+proportion (B = 2: G1, D2; B = 6: G1, G3, G5, D2, D4, D6; B = 7 and 8: three or four of each
+and T1). A point is measured at every shape of the sweep, so one walk serves batch 1 and 32.
+List order is also what a caller taking CONFIGS[0] or the middle entry sees (check-kernel,
+the bench without a dispatch table: G1 and D2).
 """
 from __future__ import annotations
 
@@ -98,9 +100,9 @@ def _valid(p: dict) -> bool:
 
 
 def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last", fma=0):
+    # One split (SPLIT_K=1) writes `out` directly: REDUCE is then unused.
     return {"variant": variant, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
-            "SPLIT_K": sk, "FMA": fma, "num_warps": warps, "num_stages": stages,
-            "REDUCE": reduce if sk > 1 else "launch"}
+            "SPLIT_K": sk, "FMA": fma, "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
 
 
 # Curated, not the product of SPACE; the docstring says why each entry is here and in what
@@ -108,20 +110,20 @@ def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last", fma=0):
 CONFIGS = [
     # batch 1-8: the GEMV (rows per program = next power of two of M, at most 8)
     _cfg("gemv", 8, 8, 1024, 1, 8, 3),      # G1
-    _cfg("gemv", 8, 4, 512, 1, 4, 3),       # G2
-    _cfg("gemv", 8, 8, 512, 1, 4, 3),       # G3
-    _cfg("gemv", 8, 16, 512, 1, 4, 3),      # G4
-    _cfg("gemv", 8, 16, 256, 2, 4, 3),      # G5
-    _cfg("gemv", 8, 32, 256, 4, 8, 3),      # G6
+    _cfg("gemv", 8, 8, 512, 1, 4, 3),       # G2
+    _cfg("gemv", 8, 16, 512, 1, 4, 3),      # G3
+    _cfg("gemv", 8, 16, 256, 2, 4, 3),      # G4
+    _cfg("gemv", 8, 32, 256, 4, 8, 3),      # G5
     # batch 9-64: tl.dot with all 32 rows in one program (the weight is streamed once)
-    _cfg("splitk", 32, 32, 256, 4, 4, 3),   # D1
-    _cfg("splitk", 32, 64, 256, 2, 4, 2),   # D2
+    _cfg("splitk", 32, 32, 256, 1, 4, 3),   # D1
+    _cfg("splitk", 32, 32, 256, 4, 4, 3),   # D2
     _cfg("splitk", 32, 64, 256, 4, 4, 3),   # D3
-    _cfg("splitk", 32, 64, 128, 4, 4, 4),   # D4
-    _cfg("splitk", 32, 128, 128, 8, 8, 3),  # D5
+    _cfg("splitk", 32, 32, 128, 4, 4, 4),   # D4
+    _cfg("splitk", 32, 64, 128, 4, 4, 4),   # D5
+    _cfg("splitk", 32, 128, 128, 8, 8, 3),  # D6
     # prefill (M = batch x tokens): compute bound tiles
-    _cfg("tiled", 128, 128, 64, 1, 8, 3),   # T1
-    _cfg("tiled", 128, 256, 64, 1, 8, 3),   # T2
+    _cfg("tiled", 128, 128, 64, 1, 8, 3, "launch"),   # T1
+    _cfg("tiled", 128, 256, 64, 1, 8, 3, "launch"),   # T2
 ]
 CONFIGS = [p for p in CONFIGS if _valid(p)]
 
