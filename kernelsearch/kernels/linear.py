@@ -28,24 +28,31 @@ arithmetic being wrong, operands are upcast on the CPU.
 
 Why each config (H200: 132 SMs, ~4.3 TB/s by copy; at ~0.7 us of DRAM latency that is ~3 MB
 in flight, ~23 KB per SM; "tile" = the weight bytes one program loads per K step; programs at
-the 4096 x 4096 projection, N / BLOCK_N x splits; Llama-3-8B N runs 4096..128256, K 4096/14336):
-  G1 gemv 8x1024, 8 warps: 16 KB tile, 32 accumulator registers a thread, so up to 8 programs
-     fit an SM: 512 programs = 3.9 per SM, all resident, ~62 KB in flight per SM. The first
-     guess for batch 1 at every N.
-  G2 gemv 8x512, 4 warps: 8 KB tile, 512 programs (~31 KB per SM), 16 programs fit an SM.
-  G3 gemv 16x512: 16 KB tile, 64 registers a thread; 256 programs at N = 4096 (1.9 per SM:
-     uneven), meant for the wide N (28672: 1792 programs, lm_head 128256: 8016).
-  G4 gemv 16x256, split 2: 8 KB tile, 512 programs; K = 14336 (down_proj) in 7168-long halves.
-  G5 gemv 32x256, split 4, 8 warps: 16 KB tile, 512 programs, K = 14336 in quarters.
-  D1 splitk 32x32x256, one split, 3 stages: 32 KB a stage (x and weight), 96 KB of shared
-     memory = 2 programs per SM; no workspace: for the wide N (896 programs at 28672, 4008 at
-     lm_head, where 4 splits would write and re-read 65 MB of fp32 partials); 128 at 4096.
-  D2 splitk 32x32x256, split 4: as D1, 512 programs at 4096 = 1.9 rounds of 2 per SM, two
-     stages ahead = 128 KB per SM. The first guess for batch 32.
-  D3 splitk 32x64x256, split 4, 3 stages: 144 KB, 1 per SM, 256 programs, 96 KB ahead.
-  D4 splitk 32x32x128, split 4, 4 stages: 16 KB a stage, 64 KB = 3 per SM, 512 programs.
-  D5 splitk 32x64x128, split 4, 4 stages: 24 KB a stage, 96 KB = 2 per SM, 256 programs.
-  D6 splitk 32x128x128, split 8, 8 warps: 40 KB a stage, 120 KB = 1 per SM, 256 programs.
+the 4096 x 4096 projection, N / BLOCK_N x splits; Llama-3-8B N runs 4096..128256, K 4096/14336).
+Registers a thread: ptxas for sm_90 (triton 3.9, batch 1), no spills; the loads of a step are
+issued together (16-byte vectors) and the GEMV loop is not software-pipelined, so bytes in
+flight = resident programs x tile:
+  G1 gemv 8x1024, 8 warps: 16 KB tile, 79 registers: 3 programs per SM, 48 KB in flight per
+     SM; 512 programs = 1.3 rounds of 396. The first guess for batch 1 at every N.
+  G2 gemv 8x512, 4 warps: 8 KB tile, 79 registers: 6 per SM, 48 KB per SM; 512 programs all
+     resident (3.9 per SM).
+  G3 gemv 16x512: 16 KB tile, 133 registers: 3 per SM, 48 KB; 256 programs at N = 4096 (1.9
+     per SM: uneven), meant for the wide N (28672: 1792 programs, lm_head 128256: 8016).
+  G4 gemv 16x256, split 2: 8 KB tile, 79 registers, 6 per SM; 512 programs; K = 14336
+     (down_proj) in 7168-long halves.
+  G5 gemv 32x256, split 4, 8 warps: 16 KB tile, 77 registers, 3 per SM; 512 programs, K =
+     14336 in quarters.
+  Batch 32 (tl.dot, mma.sync at 32 rows; loads pipelined by cp.async into num_stages - 1
+  shared-memory buffers, the size triton 3.9 allocated for sm_90; 227 KB an SM):
+  D1 splitk 32x32x256, one split, 3 stages: 32 KB a stage (x and weight), 64 KB = 3 programs
+     per SM; no workspace: for the wide N (896 programs at 28672, 4008 at lm_head, where 4
+     splits would write and re-read 65 MB of fp32 partials); 128 at 4096.
+  D2 splitk 32x32x256, split 4: as D1, 512 programs at 4096 = 1.3 rounds of 3 per SM, 2
+     stages ahead = 192 KB per SM. The first guess for batch 32.
+  D3 splitk 32x64x256, split 4, 3 stages: 48 KB a stage, 96 KB = 2 per SM, 256 programs.
+  D4 splitk 32x32x128, split 4, 4 stages: 16 KB a stage, 48 KB = 4 per SM, 512 programs.
+  D5 splitk 32x64x128, split 4, 4 stages: 24 KB a stage, 72 KB = 3 per SM, 256 programs.
+  D6 splitk 32x128x128, split 8, 8 warps: 40 KB a stage, 80 KB = 2 per SM, 256 programs.
   T1, T2 tiled 128x128x64 / 128x256x64: the prefill tiles (compute bound, tl.dot on wgmma).
 Order: the grid strategy walks the template's domain in SPACE order (kernelsearch.proposers:
 params sorted by name, so BLOCK_K outermost, listed descending, then BLOCK_M ascending: 8 is
@@ -166,8 +173,8 @@ def _tiled_kernel(x_ptr, w_ptr, c_ptr, M, N, K, s_xm, s_xk, s_wn, s_wk, s_cm, s_
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["k_per_split"])
-def _splitk_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, k_per_split,
+@triton.jit(do_not_specialize=["split_steps"])
+def _splitk_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, split_steps,
                    s_xm, s_xk, s_wn, s_wk, s_cm, s_cn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    FMA: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
@@ -179,6 +186,10 @@ def _splitk_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, k_per_split,
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    # A split is split_steps x BLOCK_K long, so the compiler knows k_lo is a multiple of
+    # BLOCK_K: 16-byte loads along K. (k_lo = pid_k * k_per_split, with k_per_split not
+    # specialized, left every weight load 2 bytes wide.)
+    k_per_split = split_steps * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = min(k_lo + k_per_split, K)
     x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
@@ -234,8 +245,8 @@ def _splitk_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, k_per_split,
                 tl.atomic_xchg(counter, 0, sem="relaxed")  # ready for the next launch
 
 
-@triton.jit(do_not_specialize=["k_per_split"])
-def _gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, k_per_split,
+@triton.jit(do_not_specialize=["split_steps"])
+def _gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, split_steps,
                  s_xm, s_xk, s_wn, s_wk, s_cm, s_cn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DIRECT: tl.constexpr, EVEN_K: tl.constexpr, LAST_REDUCES: tl.constexpr,
@@ -246,6 +257,10 @@ def _gemv_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, k_per_split,
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # A split is split_steps x BLOCK_K long, so the compiler knows k_lo is a multiple of
+    # BLOCK_K: 16-byte loads along K. (k_lo = pid_k * k_per_split, with k_per_split not
+    # specialized, left every weight load 2 bytes wide.)
+    k_per_split = split_steps * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = min(k_lo + k_per_split, K)
     # Features past N re-read valid rows (wrap) so that weight loads stay unmasked along N;
@@ -388,7 +403,7 @@ def launch(x, weight, out, variant="splitk", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128
         ws = out if direct else torch.empty((splits, M, N), device=x.device, dtype=torch.float32)
         grid = (triton.cdiv(N, BLOCK_N), splits, triton.cdiv(M, block_m))
         cnt = _arrival_counters(x.device, grid[0] * grid[2]) if last else ws
-        _gemv_kernel[grid](x, weight, ws, out, cnt, M, N, K, k_per_split, x.stride(0), x.stride(1),
+        _gemv_kernel[grid](x, weight, ws, out, cnt, M, N, K, k_per_split // BLOCK_K, x.stride(0), x.stride(1),
                            weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
                            BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DIRECT=direct,
                            EVEN_K=even_k, LAST_REDUCES=last, SPLITS=splits,
@@ -411,7 +426,7 @@ def launch(x, weight, out, variant="splitk", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128
     ws = out if direct else torch.empty((splits, M, N), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(N, BLOCK_N), splits, triton.cdiv(M, block_m))
     cnt = _arrival_counters(x.device, grid[0] * grid[2]) if last else ws
-    _splitk_kernel[grid](x, weight, ws, out, cnt, M, N, K, k_per_split, x.stride(0), x.stride(1),
+    _splitk_kernel[grid](x, weight, ws, out, cnt, M, N, K, k_per_split // BLOCK_K, x.stride(0), x.stride(1),
                          weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
                          BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, FMA=FMA, DIRECT=direct,
                          EVEN_K=even_k, UPCAST=upcast, DOT_PRECISION=precision,
