@@ -97,3 +97,54 @@ def test_bench_linear_gpu_refuses_cpu_without_the_interpreter():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "linear_gpu.py"), "--device", "cpu",
                            "--quick"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "TRITON_INTERPRET=1" in proc.stderr
+
+
+_PTX_CHILD = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernelsearch.kernels import linear as L
+
+def ptx(fn, consts, warps, stages):
+    names = ["x_ptr", "w_ptr", "ws_ptr", "c_ptr", "cnt_ptr", "M", "N", "K", "split_steps",
+             "s_xm", "s_xk", "s_wn", "s_wk", "s_cm", "s_cn"]
+    types = ["*bf16", "*bf16", "*fp32", "*bf16", "*i32"] + ["i32"] * 10
+    sig = dict(zip(names, types))
+    consts = dict(consts, s_xk=1, s_wk=1, s_cn=1)
+    sig.update({k: "constexpr" for k in consts})
+    # what the launcher specializes at the decode shapes: pointers, N, K and row strides % 16
+    div = [names.index(n) for n in ("x_ptr", "w_ptr", "ws_ptr", "c_ptr", "cnt_ptr", "N", "K",
+                                      "s_xm", "s_wn", "s_cm")]
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in div})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    return k.asm["ptx"]
+
+common = dict(EVEN_K=True, DIRECT=False, LAST_REDUCES=True, SPLITS=4)
+gemv = ptx(L._gemv_kernel, dict(common, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512), 4, 3)
+dot = ptx(L._splitk_kernel, dict(common, BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, FMA=0, UPCAST=False,
+                                 DOT_PRECISION="tf32", RED_M=32), 4, 3)
+print(json.dumps({
+    "gemv_v4": len(re.findall(r"ld\.global[\w.:]*evict_first[\w.:]*\.v4\.b32", gemv)),
+    "gemv_b16": len(re.findall(r"ld\.global[\w.:]*\.b16\b", gemv)),
+    "dot_cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*0x10", dot)),
+    "dot_b16": len(re.findall(r"ld\.global[\w.:]*\.b16\b", dot))}))
+"""
+
+
+def test_weight_loads_are_16_byte_vectors_in_the_sm90_ptx():
+    """A split offset the compiler cannot prove aligned made every weight load 2 bytes wide
+    (ld.global.b16): the kernels compiled for sm_90 here, no GPU needed (ptxas ships with triton)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, "-c", _PTX_CHILD], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("no ptxas in this triton install")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["gemv_v4"] >= 2 and counts["gemv_b16"] == 0, counts
+    assert counts["dot_cp16"] >= 8 and counts["dot_b16"] == 0, counts
