@@ -30,8 +30,9 @@ Why each config (H200: 132 SMs, ~4.3 TB/s by copy; at ~0.7 us of DRAM latency th
 in flight, ~23 KB per SM; "tile" = the weight bytes one program loads per K step; programs at
 the 4096 x 4096 projection, N / BLOCK_N x splits; Llama-3-8B N runs 4096..128256, K 4096/14336).
 Registers a thread: ptxas for sm_90 (triton 3.9, batch 1), no spills; the loads of a step are
-issued together (16-byte vectors) and the GEMV loop is not software-pipelined, so bytes in
-flight = resident programs x tile:
+issued together (16-byte vectors) and the GEMV loop is not software-pipelined (no cp.async:
+num_stages changes nothing for gemv, so its configs all say 3), so bytes in flight = resident
+programs x tile:
   G1 gemv 8x1024, 8 warps: 16 KB tile, 79 registers: 3 programs per SM, 48 KB in flight per
      SM; 512 programs = 1.3 rounds of 396. The first guess for batch 1 at every N.
   G2 gemv 8x512, 4 warps: 8 KB tile, 79 registers: 6 per SM, 48 KB per SM; 512 programs all
