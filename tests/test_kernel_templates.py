@@ -112,7 +112,12 @@ def _cases(kernel, mod):
                    dict(variant="splitk", BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3),
                    dict(variant="splitk", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=4, FMA=1),
                    dict(variant="splitk", BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, REDUCE="last"),
-                   dict(variant="splitk", BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, SPLIT_K=16, FMA=1, REDUCE="last")]
+                   dict(variant="splitk", BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, SPLIT_K=16, FMA=1, REDUCE="last"),
+                   # gemv: one row (M=1), 4 rows (M=4), row blocks capped at 8 (M=16, 20, 40);
+                   # the last two split K (3 and 2-3 ranges) and run in bf16 too
+                   dict(variant="gemv", BLOCK_M=8, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1),
+                   dict(variant="gemv", BLOCK_M=8, BLOCK_N=8, BLOCK_K=32, SPLIT_K=3, REDUCE="launch"),
+                   dict(variant="gemv", BLOCK_M=8, BLOCK_N=4, BLOCK_K=16, SPLIT_K=3, REDUCE="last")]
     elif kernel == "swiglu":
         shapes = [(1, 37), (5, 300), (3, 1500), (9, 64), (7, 1001)]
         configs = [{}, dict(BLOCK=256, ROWS_PER_PROG=4, num_warps=2), dict(BLOCK=512, ROWS_PER_PROG=2),
