@@ -165,7 +165,7 @@ def main(argv=None) -> int:
         return 2
     device = args.device
     if not cpu:
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)
     dtype = torch.bfloat16
     shapes = QUICK_SHAPES if args.quick else decode_shapes()
     calls = 2 if cpu else (4 if args.quick else CALLS_PER_GRAPH)

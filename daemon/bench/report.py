@@ -120,7 +120,7 @@ def markdown(doc: dict, base: dict | None = None, png_name: str | None = "report
         variant = _variant_label(doc, r, key[1])
         line = (f"| {key[0]} | {variant} | {key[2] or '-'} | {key[3] or '-'} | {_fmt(ms, '.3f')} | "
                 f"{_fmt(r.get('tokens_per_s'), '.0f')} | {_fmt(r.get('tokens_per_j'))} | "
-                f"{_fmt(r.get('pct_of_floor'), '.0f')} |")
+                f"{_fmt(r.get('pct_of_floor', r.get('pct_of_floor_with_head')), '.0f')} |")
         if base is not None:
             rs = (r["tokens_per_s"] / b["tokens_per_s"]) if r.get("tokens_per_s") and b.get("tokens_per_s") else None
             rj = (r["tokens_per_j"] / b["tokens_per_j"]) if r.get("tokens_per_j") and b.get("tokens_per_j") else None
