@@ -13,7 +13,7 @@ fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 ST=/tmp/hwtune-state
 what=${1:-hf}; table=${2:-}
-{ date -u; git rev-parse HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit,persistence_mode --format=csv
+{ date -u; echo "commit ${COMMIT:-unknown}"; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit,persistence_mode --format=csv
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
   python3 -c "import liger_kernel; print('liger', liger_kernel.__file__)" 2>&1 | tail -1; } > "$OUT/env.txt" 2>&1
 targ=(); [ -n "$table" ] && targ=(--table "$table")

@@ -184,6 +184,20 @@ class DispatchTable:
             self._launch[ident] = _load_tuned(entry)
         return self._launch[ident]
 
+    def prepare(self, device) -> int:
+        """Load every entry's verified plan and allocate its persistent workspaces on `device`
+        now, outside any CUDA graph: allocated lazily, the first call under
+        torch.compile(mode="reduce-overhead") would put them in the graphs' private pool, which
+        refuses live tensors that are not graph outputs. Returns the entries made ready."""
+        device = torch.device(device)
+        ready = 0
+        for entry in self.entries:
+            tuned = self._tuned(entry)
+            if tuned is not None:
+                tuned.persistent_buffers(device)
+                ready += 1
+        return ready
+
     def route(self, kernel: str, *args):
         """(tuned, params, why): tuned is None when the call must go to stock."""
         if kernel not in SHAPE_OF:
@@ -316,15 +330,25 @@ class TunedKernel:
                 buffers[name] = v.reshape(-1).view(torch.uint8)
             else:
                 scalars[name] = v
+        buffers.update(self.persistent_buffers(device))
+        for b in self.plan.buffers:
+            if not b.persistent:
+                buffers[b.id] = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+        bind(self.plan, self.kernels, buffers, scalars)()
+
+    def persistent_buffers(self, device) -> dict:
+        """{buffer id: zeroed tensor kept across calls} on `device` (allocated once)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        out = {}
         for b in self.plan.buffers:
             if b.persistent:
                 key = (str(device), b.id)
                 if key not in self.persistent:
                     self.persistent[key] = torch.zeros(b.nbytes, dtype=torch.uint8, device=device)
-                buffers[b.id] = self.persistent[key]
-            else:
-                buffers[b.id] = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
-        bind(self.plan, self.kernels, buffers, scalars)()
+                out[b.id] = self.persistent[key]
+        return out
 
 
 def _numel(shape) -> int:

@@ -186,6 +186,10 @@ CHILD = textwrap.dedent('''
          {"BLOCK_S": 16, "NUM_SPLITS": 2, "num_warps": 4, "num_stages": 1}),
     ])
     dispatch.use(table)          # handle 0: the process-wide table
+    report = {"prepared": table.prepare("cpu")}
+    persistent = lambda: {(i, k): id(t) for i, tk in enumerate(table._launch.values()) if tk is not None
+                          for k, t in tk.persistent.items()}
+    before = persistent()
     g = torch.Generator().manual_seed(3)
     r = lambda *s: torch.randn(*s, generator=g)
     x, w, W = r(B, 1, 64), r(64), r(96, 64)
@@ -213,12 +217,13 @@ CHILD = textwrap.dedent('''
 
     args = (x, w, W, q, k, cos, sin, kc, vc, lens)
     want = stock(*args)
-    report = {}
     eager = step(*args)
     report["eager_counts"] = {f"{k}:{r}": n for (k, r), n in table.counts.items()}
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
     report["err"] = [max(float((a - b).abs().max()) for a, b in zip(got, want))
                      for got in (eager, compiled)]
+    # the split-K counters were allocated by prepare(), before any call, and never again
+    report["persistent"] = [len(before), before == persistent()]
     table.counts.clear()
     # another batch size: no entry, stock
     x3 = r(3, 1, 64)
@@ -239,5 +244,6 @@ def test_tuned_entries_run_their_verified_plans_eager_and_compiled_and_other_sha
     assert report["eager_counts"] == {f"{k}:tuned": 1 for k in
                                       ("rmsnorm", "linear", "swiglu", "rope", "decode_attention")}
     assert max(report["err"]) < 1e-4
+    assert report["prepared"] == 5 and report["persistent"] == [1, True]
     assert report["other_counts"] == {"rmsnorm:stock": 1, "linear:stock": 1}
     assert report["err_other"] == 0.0

@@ -508,6 +508,10 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
             report.stock.append(f"the table's entries are for {table.data.get('fingerprint_id')}, this "
                                 f"{device_type} device is {here}: no tuned kernel, every op stays stock")
             entries = []
+    if entries:
+        # persistent workspaces (split-K arrival counters) allocated now, not inside the
+        # first compiled call, where cudagraph trees would put them in their private pool
+        table.prepare(next(model.parameters()).device)
     report.table = f"table {table.data.get('fingerprint_id') or '(empty)'}: {len(entries)} tuned shapes here"
     routes = _Routes(handle, entries, stock_through_ops)
     record = _Record(report=report)
