@@ -45,55 +45,26 @@ from kernelsearch.entry import Entry, EntryError, _thaw  # noqa: F401 -- the tab
 FORMAT = 1
 
 
-def _x_shape(args) -> dict:
-    m, n = args[0].shape
-    return {"M": int(m), "N": int(n)}
+class _ShapeOf(dict):
+    """kernel -> fn(args) -> shape dict: each spec's own `call_shape` (a new kernel adds
+    nothing here)."""
 
+    def __missing__(self, kernel):
+        from kernelsearch.specs import SPECS
 
-def _matmul_shape(args) -> dict:
-    (m, k), n = args[0].shape, args[1].shape[1]
-    return {"M": int(m), "K": int(k), "N": int(n)}
+        if kernel not in SPECS:
+            raise KeyError(kernel)
+        self[kernel] = SPECS[kernel].call_shape
+        return self[kernel]
 
+    def __contains__(self, kernel):
+        from kernelsearch.specs import SPECS
 
-def _decode_attention_shape(args) -> dict:
-    b, hq, d = args[0].shape
-    _, hkv, s, _ = args[1].shape
-    return {"B": int(b), "Hq": int(hq), "Hkv": int(hkv), "S": int(s), "D": int(d)}
-
-
-def _linear_shape(args) -> dict:
-    (m, k), n = args[0].shape, args[1].shape[0]
-    return {"M": int(m), "K": int(k), "N": int(n)}
-
-
-def _swiglu_shape(args) -> dict:
-    m, two_i = args[0].shape
-    return {"M": int(m), "I": int(two_i) // 2}
-
-
-def _rope_shape(args) -> dict:
-    b, hq, d = args[0].shape
-    return {"B": int(b), "Hq": int(hq), "Hkv": int(args[1].shape[1]), "D": int(d)}
-
-
-def _rope_kv_write_shape(args) -> dict:
-    b, h_all, d = args[0].shape
-    _, hkv, s, _ = args[4].shape   # k_cache
-    return {"B": int(b), "Hq": int(h_all) - 2 * int(hkv), "Hkv": int(hkv), "D": int(d), "S": int(s)}
+        return kernel in SPECS
 
 
 # How a call's arguments give the shape keys the specs' sweeps use.
-SHAPE_OF = {
-    "rmsnorm": _x_shape,
-    "add_rmsnorm": _x_shape,
-    "softmax": _x_shape,
-    "matmul": _matmul_shape,
-    "decode_attention": _decode_attention_shape,
-    "linear": _linear_shape,
-    "swiglu": _swiglu_shape,
-    "rope": _rope_shape,
-    "rope_kv_write": _rope_kv_write_shape,
-}
+SHAPE_OF = _ShapeOf()
 
 
 def file_sha256(path) -> str:

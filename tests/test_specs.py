@@ -179,3 +179,19 @@ def test_rope_kv_write_declares_its_caches_in_out_and_writes_one_slot_per_sequen
     assert torch.allclose(ref["k_cache"], (x[:, 4:6] * c + rot(x[:, 4:6]) * s).reshape(6, 8))
     assert torch.equal(ref["v_cache"], x[:, 6:].reshape(6, 8))
     assert spec.valid_shape(dict(shape, D=7)) == "D must be even"
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_spec_has_a_template_and_its_call_shape_gives_back_each_sweep_shape(name):
+    """A new kernel is its spec, its template and one SPECS line: the dispatch table looks calls
+    up by spec.call_shape, and kernels/<name>.py is found by its file name."""
+    from kernelsearch.kernels import TEMPLATES, template_path
+
+    assert name in TEMPLATES and template_path(name).exists()
+    spec = SPECS[name]
+    for shape in spec.shapes("cpu"):
+        dims = {k: v for k, v in shape.items() if k != "dtype"}
+        inputs = spec.make_inputs(dims, torch.float32, "cpu", torch.Generator().manual_seed(0), "normal")
+        scalars = spec.draw_scalars(__import__("random").Random(0), dims)
+        args = [inputs[n] if n in inputs else scalars.get(n, 1.0) for n in spec.arg_names]
+        assert spec.call_shape(args) == dims, (name, shape)

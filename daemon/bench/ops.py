@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# kernel -> fn(args) -> the shape keys its spec sweeps and the table stores (spec.call_shape)
+from kernelsearch.dispatch import SHAPE_OF
+
 # What TunedOps routes through the table: kernel (spec) name -> the StockOps method it replaces.
 ROUTED = {"rmsnorm": "rmsnorm", "add_rmsnorm": "add_rmsnorm", "matmul": "matmul",
           "decode_attention": "decode_attention", "swiglu": "silu_mul",
@@ -135,40 +138,6 @@ def decode_shapes(cfg, shapes) -> dict[str, list[dict]]:
                 out[kernel].append(dict(shape))
     return out
 
-
-def _x_shape(args) -> dict:
-    m, n = args[0].shape
-    return {"M": int(m), "N": int(n)}
-
-
-def _matmul_shape(args) -> dict:
-    (m, k), n = args[0].shape, args[1].shape[1]
-    return {"M": int(m), "K": int(k), "N": int(n)}
-
-
-def _attention_shape(args) -> dict:
-    b, hq, d = args[0].shape
-    _, hkv, s, _ = args[1].shape
-    return {"B": int(b), "Hq": int(hq), "Hkv": int(hkv), "S": int(s), "D": int(d)}
-
-
-def _swiglu_shape(args) -> dict:
-    m, two_i = args[0].shape
-    return {"M": int(m), "I": int(two_i) // 2}
-
-
-def _rope_kv_write_shape(args) -> dict:
-    qkv, k_cache = args[0], args[4]
-    b, heads, d = qkv.shape
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
-    return {"B": int(b), "Hq": int(heads - 2 * hkv), "Hkv": int(hkv), "D": int(d), "S": int(s)}
-
-
-# The shape keys each kernel's spec sweeps and the table stores (kernelsearch.dispatch.SHAPE_OF
-# computes the same from the same arguments).
-SHAPE_OF = {"rmsnorm": _x_shape, "add_rmsnorm": _x_shape, "matmul": _matmul_shape,
-            "decode_attention": _attention_shape, "swiglu": _swiglu_shape,
-            "rope_kv_write": _rope_kv_write_shape}
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

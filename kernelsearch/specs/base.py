@@ -192,6 +192,11 @@ class KernelSpec:
             return f"{', '.join(bad)} must be positive integers"
         return None
 
+    def call_shape(self, args) -> dict:
+        """The shape dict (the sweep's keys) of one call with `args` in arg_names order: what
+        the dispatch table looks a call up by."""
+        raise NotImplementedError
+
     def stock_call(self, inputs: dict) -> dict:
         """What a user runs (returns new tensors: no copy charged to stock). Timed as stock."""
         raise NotImplementedError

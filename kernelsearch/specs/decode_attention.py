@@ -68,6 +68,11 @@ class DecodeAttentionSpec(KernelSpec):
             return "D must be a power of two"
         return None
 
+    def call_shape(self, args):
+        b, hq, d = args[0].shape
+        _, hkv, s, _ = args[1].shape
+        return {"B": int(b), "Hq": int(hq), "Hkv": int(hkv), "S": int(s), "D": int(d)}
+
     def stock_call(self, inputs):
         import torch.nn.functional as F
 

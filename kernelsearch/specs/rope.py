@@ -67,6 +67,10 @@ class RopeSpec(KernelSpec):
         return {"B": rng.randint(1, 64), "Hq": rng.randint(1, 64), "Hkv": rng.randint(1, 16),
                 "D": 2 * rng.randint(1, 128)}
 
+    def call_shape(self, args):
+        b, hq, d = args[0].shape
+        return {"B": int(b), "Hq": int(hq), "Hkv": int(args[1].shape[1]), "D": int(d)}
+
     def stock_call(self, inputs):
         q_out, k_out = rope_native(inputs["q"], inputs["k"], inputs["cos"], inputs["sin"])
         return {"q_out": q_out, "k_out": k_out}

@@ -107,6 +107,11 @@ class RopeKvWriteSpec(KernelSpec):
         return {"q_out": _rope(q, cos, sin), "k_cache": _rope(k, cos, sin).reshape(-1, d),
                 "v_cache": v.reshape(-1, d)}
 
+    def call_shape(self, args):
+        b, h_all, d = args[0].shape
+        _, hkv, s, _ = args[4].shape   # k_cache
+        return {"B": int(b), "Hq": int(h_all) - 2 * int(hkv), "Hkv": int(hkv), "D": int(d), "S": int(s)}
+
     def stock_call(self, inputs):
         """What a transformers user runs: apply_rotary_pos_emb in the input dtype, then the
         cache write of StaticCache.update (index_copy_, in place). StaticCache gives the whole
