@@ -45,7 +45,7 @@ def test_cpu_quick_run_tables_the_searchs_shapes_with_every_column_checked(tmp_p
         for name in ("tuned", "eager", "graph", "autotune"):
             assert isinstance(cols[name]["time_ms"], float) and not cols[name].get("wrong"), (name, cols[name])
         assert cols["stock"]["time_ms"] == row["search"]["stock_ms"]   # the harness's own stock time
-        assert row["route"] == "no entry for shape"                     # the interpreter never beats torch
+        assert row["route"] in ("no entry for shape", "empty table")                   # the interpreter never beats torch
         assert cols["tuned"]["routed"]["tuned"] == 0 and cols["tuned"]["routed"]["stock"] > 0
         assert [c["status"] for c in row["configs"]] == ["ok"]
         assert cols["autotune"]["params"] == row["configs"][0]["params"] and cols["autotune"]["tried"] == 1

@@ -254,7 +254,7 @@ class TunedOps(StockOps):
             if self._routed("rope_kv_write", args):
                 return self.table.call("rope_kv_write", *args)
         else:  # rope_context found no entry: record that, as _routed does for the other ops
-            shape = _rope_kv_write_shape((qkv, None, None, None, k_cache))
+            shape = SHAPE_OF["rope_kv_write"]((qkv, None, None, None, k_cache))
             key = _shape_key("rope_kv_write", shape, DTYPE_NAMES.get(qkv.dtype, str(qkv.dtype)))
             self.used.setdefault(key, {"impl": "stock", "reason": "no table entry" if self.table is not None
                                        else self.table_note or "no dispatch table"})
