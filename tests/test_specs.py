@@ -12,7 +12,8 @@ NAMES = sorted(SPECS)
 
 def test_registry_holds_the_builtin_kernels():
     assert set(SPECS) == {"rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention",
-                          "linear", "swiglu", "rope", "rope_kv_write"}
+                          "linear", "swiglu", "rope", "rope_kv_write", "rmsnorm_linear",
+                          "rmsnorm_gate_up_swiglu", "linear_residual"}
 
 
 @pytest.mark.parametrize("name", NAMES)

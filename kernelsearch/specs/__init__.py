@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from kernelsearch.specs.base import (DISTRIBUTIONS, DTYPES, KernelSpec, dtype_from_name,
                                      dtype_name)
-from kernelsearch.specs import (add_rmsnorm, decode_attention, linear, matmul, rmsnorm, rope,
+from kernelsearch.specs import (add_rmsnorm, decode_attention, linear, linear_residual, matmul,
+                               rmsnorm, rmsnorm_gate_up_swiglu, rmsnorm_linear, rope,
                                rope_kv_write, softmax, swiglu)
 
 SPECS: dict[str, KernelSpec] = {
@@ -16,6 +17,9 @@ SPECS: dict[str, KernelSpec] = {
     "swiglu": swiglu.SPEC,
     "rope": rope.SPEC,
     "rope_kv_write": rope_kv_write.SPEC,
+    "rmsnorm_linear": rmsnorm_linear.SPEC,
+    "rmsnorm_gate_up_swiglu": rmsnorm_gate_up_swiglu.SPEC,
+    "linear_residual": linear_residual.SPEC,
 }
 
 
