@@ -1,0 +1,417 @@
+"""RMSNorm fused into the projection that follows it (norm + q|k|v, final norm + lm_head):
+out[M, N] = (x / sqrt(mean(x^2) + eps) * norm_weight) @ weight[N, K].T.
+
+The normalised x never exists in memory. Each program already loads the x tiles of its range
+of K (x is re-read by every program from L2, as in the linear template), so it also sums their
+squares there, and multiplies them by the norm_weight tile of the step ([BLOCK_K] values read
+from L2, 1/BLOCK_N of the weight tile's bytes); each row's dot products are scaled by its 1/rms
+once, at the end. No byte of DRAM traffic is added to the linear template's: the weight stream
+dominates (N x K against M x K + K), and the fused norm costs a few FMAs a loaded x value.
+- "gemv" (decode, batch 1-8): the linear template's weight-streaming GEMV, no tl.dot. A
+  program takes BLOCK_N weight rows and min(next power of two of M, BLOCK_M <= 8) rows of x
+  (rows past M re-read valid ones, only the stores are masked), accumulates the products of
+  the weight and x * norm_weight into a [BLOCK_N, BLOCK_K] fp32 tile (batch 1) or a
+  [rows, BLOCK_N, BLOCK_K] one, and x^2 into a [rows, BLOCK_K] one, all summed over K once
+  after the loop (no cross-lane reduction per step). Rows are capped so that the product
+  accumulator stays at <= 64 registers a thread (GEMV_ACC_PER_WARP). Weight loads carry
+  evict_first (each byte is read once; x, re-read by every program, stays in L2).
+- "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16; all
+  32 rows of batch 32 in one program, so that the weight is streamed once). tl.dot is fed
+  x * norm_weight cast back to the input dtype (what the stock path rounds too: the normalised
+  x in bf16), the products accumulate in fp32 and are scaled by 1/rms after the loop, so fp16
+  inputs of any scale the spec draws cannot overflow in the operand (x * norm_weight is as
+  large as x times a weight near 1, never divided by a small rms first). The sum of squares is
+  a [rows] fp32 vector summed per step (a [rows, BLOCK_K] tile would cost 64 registers a
+  thread at 32 x 256).
+Split-K (SPLIT_K > 1, either variant): each of the SPLIT_K programs of a column block covers
+one range of K and sees only that range's x, so it stores both its unscaled partial products
+(fp32 workspace [SPLIT_K, M, N]) and its partial sums of squares (fp32 [SPLIT_K, N tiles, M]:
+one slot per split, column block and row, so that the reducer of a column block reads only
+what its own splits wrote and no program waits on another column block). The reducer sums both
+in a fixed order (split 0 first: the same bits every run, no float atomics) and then scales:
+a second kernel (REDUCE="launch", reading the sums of squares of column block 0: every column
+block computes the same bits from the same x) or the program that arrives last at its column
+block (REDUCE="last": a CTA barrier, then an acq_rel arrival counter, as in the linear
+template; the counters are allocated zeroed once per device and set back to 0 by the last
+program, so CUDA graphs need no fill kernel). One split writes `out` directly.
+fp32 accumulation, cast on store; fp32 operands use exact (ieee) dots; the interpreter's bf16
+arithmetic being wrong, operands are upcast on the CPU.
+
+Why each config: the weight tiles, programs and bytes in flight are the linear template's (the
+same decode weight streams: K 4096 / 3584, N 4608..128256; H200: 132 SMs, ~4.3 TB/s by copy,
+~23 KB in flight per SM needed at ~0.7 us of DRAM latency), because the fused norm adds no
+weight bytes and only a [BLOCK_K] norm_weight tile and the x^2 accumulator to each program.
+Registers a thread: ptxas for sm_90 (triton 3.9, batch 1 / batch 32, bf16), no spills; see
+tests/test_kernel_rmsnorm_linear.py, which compiles G1 and D2 for sm_90 here:
+  G1 gemv 8x1024, 8 warps: 16 KB weight tile, 3 programs per SM (register bound, as linear's
+     79), 48 KB in flight per SM; 768 programs at q|k|v 6144 (1.9 rounds of 396), 16032 at
+     lm_head. The first guess for batch 1.
+  G2 gemv 8x512, 4 warps: 8 KB tile, 6 per SM, 48 KB per SM; 768 programs at 6144.
+  G3 gemv 16x512: 16 KB tile, 3 per SM, 48 KB; meant for the wide N (lm_head: 8016 programs).
+  G4 gemv 16x256, split 2: 8 KB tile, 6 per SM; 768 programs at 6144, 576 at Qwen's 4608:
+     halves of K 2048 / 1792 long (an even round count where N / BLOCK_N leaves a ragged one).
+  G5 gemv 32x256, split 4, 8 warps: 16 KB tile, 3 per SM; 768 programs at 6144.
+  Batch 32 (tl.dot, mma.sync at 32 rows; the weight tile is pipelined by cp.async into
+  num_stages - 1 shared-memory buffers; x goes through registers for the norm, from L2):
+  D1 splitk 32x32x256, one split, 3 stages: 32 KB a stage, 3 programs per SM; no workspace:
+     for lm_head (4008 programs; 4 splits would write and re-read 65 MB of fp32 partials).
+  D2 splitk 32x32x256, split 4: as D1, 768 programs at 6144. The first guess for batch 32.
+  D3 splitk 32x64x256, split 4, 3 stages: 48 KB a stage, 2 per SM, 384 programs at 6144.
+  D4 splitk 32x32x128, split 4, 4 stages: 16 KB a stage, 4 per SM, 768 programs.
+  D5 splitk 32x64x128, split 4, 4 stages: 24 KB a stage, 3 per SM, 384 programs.
+  D6 splitk 32x128x128, split 8, 8 warps: 40 KB a stage, 2 per SM, 384 programs.
+Order: the grid strategy walks the domain in SPACE order (params sorted by name: BLOCK_K
+outermost, listed descending, then BLOCK_M ascending: 8 is gemv, 32 splitk); CONFIGS is listed
+in that order (the test holds it), so the gemv block comes first, then the batch-32 block, and
+a budget B >= 2 samples both (B = 2: G1, D2). CONFIGS[0] (G1) and the middle entry (D1) are
+what a caller without a dispatch table takes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SPACE = {
+    "variant": ["gemv", "splitk"],
+    "BLOCK_M": [8, 16, 32, 64],        # the most rows of x one program takes
+    "BLOCK_N": [4, 8, 16, 32, 64, 128, 256],
+    "BLOCK_K": [1024, 512, 256, 128, 64],  # descending: see "Order" in the docstring
+    "SPLIT_K": [1, 2, 4, 8, 16],
+    "num_warps": [4, 8],
+    "num_stages": [2, 3, 4],
+    "REDUCE": ["last", "launch"],      # the last-arriving program, or a second kernel
+}
+
+SMEM_LIMIT_BYTES = 220 * 1024          # Hopper allows 227 KB per block; keep a margin
+GEMV_ACC_PER_WARP = 2048               # fp32 product accumulator elements per warp: 64 registers a thread
+GEMV_MAX_ROWS = 8                      # gemv: BLOCK_M is a cap; more rows go to tl.dot (splitk)
+
+
+def _valid(p: dict) -> bool:
+    smem = (p["BLOCK_M"] * p["BLOCK_K"] + p["BLOCK_K"] * p["BLOCK_N"]) * 2 * p["num_stages"]
+    if smem > SMEM_LIMIT_BYTES:
+        return False
+    if p["variant"] == "gemv":
+        return (p["BLOCK_M"] == GEMV_MAX_ROWS and p["BLOCK_K"] >= 64
+                and p["BLOCK_N"] * p["BLOCK_K"] <= GEMV_ACC_PER_WARP * p["num_warps"])
+    return p["BLOCK_M"] >= 16 and p["BLOCK_K"] >= 64
+
+
+def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last"):
+    # One split (SPLIT_K=1) writes `out` directly: REDUCE is then unused.
+    return {"variant": variant, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk,
+            "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
+
+
+# Curated, not the product of SPACE; the docstring says why each entry is here and in what
+# order the grid strategy walks them (the list order, G1..D6).
+CONFIGS = [
+    # batch 1-8: the GEMV (rows per program = next power of two of M, at most 8)
+    _cfg("gemv", 8, 8, 1024, 1, 8, 3),      # G1
+    _cfg("gemv", 8, 8, 512, 1, 4, 3),       # G2
+    _cfg("gemv", 8, 16, 512, 1, 4, 3),      # G3
+    _cfg("gemv", 8, 16, 256, 2, 4, 3),      # G4
+    _cfg("gemv", 8, 32, 256, 4, 8, 3),      # G5
+    # batch 9-64: tl.dot with all 32 rows in one program (the weight is streamed once)
+    _cfg("splitk", 32, 32, 256, 1, 4, 3),   # D1
+    _cfg("splitk", 32, 32, 256, 4, 4, 3),   # D2
+    _cfg("splitk", 32, 64, 256, 4, 4, 3),   # D3
+    _cfg("splitk", 32, 32, 128, 4, 4, 4),   # D4
+    _cfg("splitk", 32, 64, 128, 4, 4, 4),   # D5
+    _cfg("splitk", 32, 128, 128, 8, 8, 3),  # D6
+]
+CONFIGS = [p for p in CONFIGS if _valid(p)]
+
+
+@triton.jit(do_not_specialize=["split_steps"])
+def _gemv_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K, split_steps, eps,
+                 s_xm, s_xk, s_gk, s_wn, s_wk, s_cm, s_cn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DIRECT: tl.constexpr, EVEN_K: tl.constexpr, LAST_REDUCES: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    num_n = tl.num_programs(0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # A split is split_steps x BLOCK_K long, so the compiler knows k_lo is a multiple of
+    # BLOCK_K: 16-byte loads along K (a split offset it cannot prove aligned made every
+    # weight load 2 bytes wide in the linear template).
+    k_per_split = split_steps * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = min(k_lo + k_per_split, K)
+    # Features past N re-read valid rows (wrap) so that weight loads stay unmasked along N;
+    # only the stores are masked. Same for rows of x past M.
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
+    g_ptrs = g_ptr + (k_lo + rk) * s_gk
+    if BLOCK_M == 1:
+        x_ptrs = x_ptr + pid_m.to(tl.int64) * s_xm + (k_lo + rk) * s_xk
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq1 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    else:
+        x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        # Each weight byte is read once: evict_first keeps x (re-read by every program) in L2.
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptrs).to(tl.float32)
+            g = tl.load(g_ptrs).to(tl.float32)
+        else:
+            k_ok = (k + rk) < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            g = tl.load(g_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            if BLOCK_M == 1:
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        # Products and squares summed over K once, after the loop: no cross-lane reduction
+        # per step. The norm's 1/rms is applied to the sums, after the loop.
+        if BLOCK_M == 1:
+            sq1 += x * x
+            acc2 += w.to(tl.float32) * (x * g)[None, :]
+        else:
+            sq2 += x * x
+            acc3 += (x * g[None, :])[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K * s_wk
+        x_ptrs += BLOCK_K * s_xk
+        g_ptrs += BLOCK_K * s_gk
+    n_ok = rn < N
+    if BLOCK_M == 1:
+        acc = tl.sum(acc2, axis=1)
+        sq = tl.sum(sq1, axis=0)
+        if DIRECT:
+            inv = 1.0 / tl.sqrt(sq / K + eps)
+            tl.store(c_ptr + pid_m.to(tl.int64) * s_cm + rn * s_cn,
+                     (acc * inv).to(c_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            tl.store(ws_ptr + (pid_k * M + pid_m).to(tl.int64) * N + rn, acc, mask=n_ok)
+            tl.store(ss_ptr + (pid_k * num_n + pid_n).to(tl.int64) * M + pid_m, sq)
+    else:
+        acc = tl.sum(acc3, axis=2)
+        sq = tl.sum(sq2, axis=1)
+        m_ok = rm < M
+        mask = m_ok[:, None] & n_ok[None, :]
+        if DIRECT:
+            inv = 1.0 / tl.sqrt(sq / K + eps)
+            c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+            tl.store(c_ptrs, (acc * inv[:, None]).to(c_ptr.dtype.element_ty), mask=mask)
+        else:
+            ws_ptrs = ws_ptr + (pid_k * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
+            tl.store(ws_ptrs, acc, mask=mask)
+            tl.store(ss_ptr + (pid_k * num_n + pid_n).to(tl.int64) * M + rm, sq, mask=m_ok)
+    if LAST_REDUCES:
+        # Every thread's partials are stored before one thread's release (CTA barrier).
+        tl.debug_barrier()
+        counter = cnt_ptr + pid_m * num_n + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            if BLOCK_M == 1:
+                total = tl.zeros([BLOCK_N], dtype=tl.float32)
+                sq_t = tl.zeros([1], dtype=tl.float32)
+                for sk in tl.static_range(SPLITS):  # fixed order: the same bits every run
+                    part = ws_ptr + (sk * M + pid_m).to(tl.int64) * N + rn
+                    total += tl.load(part, mask=n_ok, other=0.0, cache_modifier=".cg")
+                    sq_p = ss_ptr + (sk * num_n + pid_n).to(tl.int64) * M + pid_m + tl.arange(0, 1)
+                    sq_t += tl.load(sq_p, cache_modifier=".cg")
+                inv = 1.0 / tl.sqrt(sq_t / K + eps)
+                tl.store(c_ptr + pid_m.to(tl.int64) * s_cm + rn * s_cn,
+                         (total * inv).to(c_ptr.dtype.element_ty), mask=n_ok)
+            else:
+                m_ok = rm < M
+                mask = m_ok[:, None] & n_ok[None, :]
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                sq_t = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for sk in tl.static_range(SPLITS):
+                    part = ws_ptr + (sk * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
+                    total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                    sq_p = ss_ptr + (sk * num_n + pid_n).to(tl.int64) * M + rm
+                    sq_t += tl.load(sq_p, mask=m_ok, other=0.0, cache_modifier=".cg")
+                inv = 1.0 / tl.sqrt(sq_t / K + eps)
+                c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+                tl.store(c_ptrs, (total * inv[:, None]).to(c_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed")  # ready for the next launch
+
+
+@triton.jit(do_not_specialize=["split_steps"])
+def _splitk_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K, split_steps, eps,
+                   s_xm, s_xk, s_gk, s_wn, s_wk, s_cm, s_cn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DIRECT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr,
+                   SPLITS: tl.constexpr, RED_M: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    num_n = tl.num_programs(0)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # As in _gemv_kernel: a split offset that is a known multiple of BLOCK_K (16-byte loads).
+    k_per_split = split_steps * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = min(k_lo + k_per_split, K)
+    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
+    w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
+    g_ptrs = g_ptr + (k_lo + rk) * s_gk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            g = tl.load(g_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = (k + rk) < K
+            a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+        af = a.to(tl.float32)
+        sq += tl.sum(af * af, axis=1)
+        # The dot operand is x * norm_weight in the input dtype (unscaled by 1/rms: no fp16
+        # overflow); 1/rms scales the fp32 sums after the loop.
+        an = af * g.to(tl.float32)[None, :]
+        if UPCAST:
+            w = w.to(tl.float32)
+        else:
+            an = an.to(w.dtype)
+        acc = tl.dot(an, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * s_xk
+        w_ptrs += BLOCK_K * s_wk
+        g_ptrs += BLOCK_K * s_gk
+    m_ok = rm < M
+    mask = m_ok[:, None] & (rn[None, :] < N)
+    if DIRECT:
+        inv = 1.0 / tl.sqrt(sq / K + eps)
+        c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+        tl.store(c_ptrs, (acc * inv[:, None]).to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws_ptrs = ws_ptr + (pid_k * M + rm).to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(ws_ptrs, acc, mask=mask)
+        tl.store(ss_ptr + (pid_k * num_n + pid_n).to(tl.int64) * M + rm, sq, mask=m_ok)
+        if LAST_REDUCES:
+            # Every thread's partials are stored before one thread's release (CTA barrier).
+            tl.debug_barrier()
+            counter = cnt_ptr + pid_m * num_n + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == SPLITS - 1:
+                # Rows in RED_M-row slices: batch 1 reads one row per split, not BLOCK_M.
+                rr = tl.arange(0, RED_M)
+                n_ok = rn[None, :] < N
+                for m0 in range(0, tl.minimum(M - pid_m * BLOCK_M, BLOCK_M), RED_M):
+                    rows = pid_m * BLOCK_M + m0 + rr
+                    r_ok = rows < M
+                    rmask = r_ok[:, None] & n_ok
+                    total = tl.zeros([RED_M, BLOCK_N], dtype=tl.float32)
+                    sq_t = tl.zeros([RED_M], dtype=tl.float32)
+                    for sk in tl.static_range(SPLITS):  # fixed order: the same bits every run
+                        part = ws_ptr + (sk * M + rows).to(tl.int64)[:, None] * N + rn[None, :]
+                        total += tl.load(part, mask=rmask, other=0.0, cache_modifier=".cg")
+                        sq_p = ss_ptr + (sk * num_n + pid_n).to(tl.int64) * M + rows
+                        sq_t += tl.load(sq_p, mask=r_ok, other=0.0, cache_modifier=".cg")
+                    inv = 1.0 / tl.sqrt(sq_t / K + eps)
+                    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+                    tl.store(c_ptrs, (total * inv[:, None]).to(c_ptr.dtype.element_ty), mask=rmask)
+                tl.atomic_xchg(counter, 0, sem="relaxed")  # ready for the next launch
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, ss_ptr, c_ptr, M, N, K, SPLITS, ss_stride, eps, s_cm, s_cn,
+                          BLOCK: tl.constexpr):
+    # One row per program along axis 1: its sum of squares is one value per split (column
+    # block 0's slot, ss_stride = N tiles x M apart).
+    m = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n_ok = rn < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    sq = tl.zeros([1], dtype=tl.float32)
+    ptrs = ws_ptr + m.to(tl.int64) * N + rn
+    sq_ptrs = ss_ptr + m + tl.arange(0, 1)
+    for _ in range(0, SPLITS):  # fixed order: the same bits every run
+        acc += tl.load(ptrs, mask=n_ok, other=0.0)
+        sq += tl.load(sq_ptrs)
+        ptrs += M * N  # M x N < 2^31 (M <= a few thousand rows)
+        sq_ptrs += ss_stride
+    inv = 1.0 / tl.sqrt(sq / K + eps)
+    tl.store(c_ptr + m.to(tl.int64) * s_cm + rn * s_cn, (acc * inv).to(c_ptr.dtype.element_ty),
+             mask=n_ok)
+
+
+def _dot_args(x):
+    # fp32 operands: exact products (tl.dot would default to tf32). The interpreter's bf16
+    # arithmetic is wrong, so on the CPU operands are upcast before tl.dot.
+    upcast = x.device.type != "cuda"
+    return upcast, ("ieee" if x.dtype == torch.float32 or upcast else "tf32")
+
+
+_counters: dict = {}  # device -> int32 arrival counters, zero between launches
+
+
+def _arrival_counters(device, n: int):
+    key = str(device)
+    cnt = _counters.get(key)
+    if cnt is None or cnt.numel() < n:
+        cnt = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _counters[key] = cnt
+    return cnt
+
+
+def launch(x, norm_weight, weight, eps, out, variant="gemv", BLOCK_M=8, BLOCK_N=8, BLOCK_K=1024,
+           SPLIT_K=1, num_warps=8, num_stages=3, REDUCE="last"):
+    M, K = x.shape
+    N, K2 = weight.shape
+    if K2 != K or tuple(norm_weight.shape) != (K,) or tuple(out.shape) != (M, N):
+        raise ValueError(f"rmsnorm_linear shapes x{tuple(x.shape)} norm_weight{tuple(norm_weight.shape)} "
+                         f"weight{tuple(weight.shape)} out{tuple(out.shape)}")
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        raise ValueError("rmsnorm_linear template needs K > 0")
+    if variant not in ("splitk", "gemv"):
+        raise ValueError(f"unknown rmsnorm_linear variant {variant!r}")
+    if REDUCE not in ("launch", "last"):
+        raise ValueError(f"unknown rmsnorm_linear REDUCE {REDUCE!r}")
+    eps = float(eps)
+    even_k = K % BLOCK_K == 0
+    rows = triton.next_power_of_2(M)
+    if variant == "gemv":
+        # Rows per program: M rounded up to a power of two, at most BLOCK_M, and as many as
+        # the accumulator budget leaves (a larger M re-streams the weight once per row block).
+        budget = max(1, GEMV_ACC_PER_WARP * num_warps // (BLOCK_N * BLOCK_K))
+        block_m = max(1, min(rows, BLOCK_M, GEMV_MAX_ROWS, budget))
+    else:
+        block_m = max(16, min(rows, BLOCK_M))  # tl.dot needs at least 16 rows
+    k_per_split = triton.cdiv(triton.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    splits = triton.cdiv(K, k_per_split)
+    direct = splits == 1
+    last = REDUCE == "last" and not direct
+    grid = (triton.cdiv(N, BLOCK_N), splits, triton.cdiv(M, block_m))
+    if direct:
+        ws, ss = out, out
+    else:
+        ws = torch.empty((splits, M, N), device=x.device, dtype=torch.float32)
+        ss = torch.empty((splits, grid[0], M), device=x.device, dtype=torch.float32)
+    cnt = _arrival_counters(x.device, grid[0] * grid[2]) if last else ws
+    args = (x, norm_weight, weight, ws, ss, out, cnt, M, N, K, k_per_split // BLOCK_K, eps,
+            x.stride(0), x.stride(1), norm_weight.stride(0), weight.stride(0), weight.stride(1),
+            out.stride(0), out.stride(1))
+    if variant == "gemv":
+        _gemv_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DIRECT=direct,
+                           EVEN_K=even_k, LAST_REDUCES=last, SPLITS=splits,
+                           num_warps=num_warps, num_stages=num_stages)
+    else:
+        upcast, precision = _dot_args(x)
+        _splitk_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DIRECT=direct,
+                             EVEN_K=even_k, UPCAST=upcast, DOT_PRECISION=precision,
+                             LAST_REDUCES=last, SPLITS=splits, RED_M=min(rows, block_m),
+                             num_warps=num_warps, num_stages=num_stages)
+    if not direct and not last:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(N, block), M)](ws, ss, out, M, N, K, splits, grid[0] * M, eps,
+                                                          out.stride(0), out.stride(1), BLOCK=block,
+                                                          num_warps=4)
+    return out
