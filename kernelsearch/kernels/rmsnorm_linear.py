@@ -41,25 +41,35 @@ Why each config: the weight tiles, programs and bytes in flight are the linear t
 same decode weight streams: K 4096 / 3584, N 4608..128256; H200: 132 SMs, ~4.3 TB/s by copy,
 ~23 KB in flight per SM needed at ~0.7 us of DRAM latency), because the fused norm adds no
 weight bytes and only a [BLOCK_K] norm_weight tile and the x^2 accumulator to each program.
-Registers a thread: ptxas for sm_90 (triton 3.9, batch 1 / batch 32, bf16), no spills; see
-tests/test_kernel_rmsnorm_linear.py, which compiles G1 and D2 for sm_90 here:
-  G1 gemv 8x1024, 8 warps: 16 KB weight tile, 3 programs per SM (register bound, as linear's
-     79), 48 KB in flight per SM; 768 programs at q|k|v 6144 (1.9 rounds of 396), 16032 at
-     lm_head. The first guess for batch 1.
-  G2 gemv 8x512, 4 warps: 8 KB tile, 6 per SM, 48 KB per SM; 768 programs at 6144.
-  G3 gemv 16x512: 16 KB tile, 3 per SM, 48 KB; meant for the wide N (lm_head: 8016 programs).
-  G4 gemv 16x256, split 2: 8 KB tile, 6 per SM; 768 programs at 6144, 576 at Qwen's 4608:
-     halves of K 2048 / 1792 long (an even round count where N / BLOCK_N leaves a ragged one).
-  G5 gemv 32x256, split 4, 8 warps: 16 KB tile, 3 per SM; 768 programs at 6144.
-  Batch 32 (tl.dot, mma.sync at 32 rows; the weight tile is pipelined by cp.async into
-  num_stages - 1 shared-memory buffers; x goes through registers for the norm, from L2):
-  D1 splitk 32x32x256, one split, 3 stages: 32 KB a stage, 3 programs per SM; no workspace:
-     for lm_head (4008 programs; 4 splits would write and re-read 65 MB of fp32 partials).
-  D2 splitk 32x32x256, split 4: as D1, 768 programs at 6144. The first guess for batch 32.
-  D3 splitk 32x64x256, split 4, 3 stages: 48 KB a stage, 2 per SM, 384 programs at 6144.
-  D4 splitk 32x32x128, split 4, 4 stages: 16 KB a stage, 4 per SM, 768 programs.
-  D5 splitk 32x64x128, split 4, 4 stages: 24 KB a stage, 3 per SM, 384 programs.
-  D6 splitk 32x128x128, split 8, 8 warps: 40 KB a stage, 2 per SM, 384 programs.
+Registers a thread: ptxas for sm_90 (triton 3.9, bf16, batch 1 / batch 32; linear's in
+brackets), no spills; an SM holds 64 K registers, allocated 8 a thread at a time, so 8 warps
+at <= 80 registers fit 3 programs and 4 warps at <= 80 fit 6. tests/test_kernel_rmsnorm_linear.py
+compiles G1 and D2 for sm_90 here and checks their weight loads are 16-byte vectors:
+  G1 gemv 8x1024, 8 warps: 16 KB weight tile, 80 registers [79]: 3 programs per SM, 48 KB in
+     flight per SM; 768 programs at q|k|v 6144 (1.9 rounds of 396), 16032 at lm_head. The
+     first guess for batch 1.
+  G2 gemv 8x512, 4 warps: 8 KB tile, 91 registers [79]: 5 per SM (linear: 6), 40 KB per SM.
+  G3 gemv 16x512: 16 KB tile, 163 registers [133]: 3 per SM, 48 KB; meant for the wide N
+     (lm_head: 8016 programs).
+  G4 gemv 16x256, split 2: 8 KB tile, 80 registers [79], 6 per SM; 768 programs at 6144, 576
+     at Qwen's 4608: halves of K 2048 / 1792 long.
+  G5 gemv 32x256, split 4, 8 warps: 16 KB tile, 80 registers [77], 3 per SM; 768 programs at
+     6144.
+  Batch 32 (tl.dot, mma.sync at 32 rows; the weight and x tiles are pipelined by cp.async
+  into num_stages - 1 shared-memory buffers; the norm's multiply reads x from there):
+  D1 splitk 32x32x256, one split, 3 stages: 32 KB a stage, 80 registers [72], 66 KB of shared
+     memory: 3 programs per SM; no workspace: for lm_head (4008 programs; 4 splits would
+     write and re-read 65 MB of fp32 partials).
+  D2 splitk 32x32x256, split 4: as D1 (80 registers [96]), 768 programs at 6144. The first
+     guess for batch 32.
+  D3 splitk 32x64x256, split 4, 3 stages: 48 KB a stage, 97 KB, 128 registers: 2 per SM, 384
+     programs at 6144.
+  D4 splitk 32x32x128, split 4, 4 stages: 16 KB a stage, 49 KB, 95 registers: 4 per SM, 768
+     programs.
+  D5 splitk 32x64x128, split 4, 4 stages: 24 KB a stage, 72 KB, 165 registers: 3 per SM, 384
+     programs.
+  D6 splitk 32x128x128, split 8, 8 warps: 40 KB a stage, 81 KB, 102 registers: 2 per SM, 384
+     programs.
 Order: the grid strategy walks the domain in SPACE order (params sorted by name: BLOCK_K
 outermost, listed descending, then BLOCK_M ascending: 8 is gemv, 32 splitk); CONFIGS is listed
 in that order (the test holds it), so the gemv block comes first, then the batch-32 block, and
@@ -129,7 +139,7 @@ def _gemv_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K, s
                  s_xm, s_xk, s_gk, s_wn, s_wk, s_cm, s_cn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DIRECT: tl.constexpr, EVEN_K: tl.constexpr, LAST_REDUCES: tl.constexpr,
-                 SPLITS: tl.constexpr):
+                 SPLITS: tl.constexpr, SQ_R: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -150,7 +160,7 @@ def _gemv_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K, s
     if BLOCK_M == 1:
         x_ptrs = x_ptr + pid_m.to(tl.int64) * s_xm + (k_lo + rk) * s_xk
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        sq1 = tl.zeros([BLOCK_K], dtype=tl.float32)
+        sq1 = tl.zeros([BLOCK_K // SQ_R], dtype=tl.float32)
     else:
         x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -172,7 +182,9 @@ def _gemv_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K, s
         # Products and squares summed over K once, after the loop: no cross-lane reduction
         # per step. The norm's 1/rms is applied to the sums, after the loop.
         if BLOCK_M == 1:
-            sq1 += x * x
+            # x is loaded SQ_R values a thread: summing them there keeps 1/SQ_R of the
+            # squares live (G1 at 80 registers, not 84: 3 programs of 8 warps an SM, not 2).
+            sq1 += tl.sum(tl.reshape(x * x, [BLOCK_K // SQ_R, SQ_R]), axis=1)
             acc2 += w.to(tl.float32) * (x * g)[None, :]
         else:
             sq2 += x * x
@@ -402,6 +414,7 @@ def launch(x, norm_weight, weight, eps, out, variant="gemv", BLOCK_M=8, BLOCK_N=
     if variant == "gemv":
         _gemv_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DIRECT=direct,
                            EVEN_K=even_k, LAST_REDUCES=last, SPLITS=splits,
+                           SQ_R=max(1, min(8, BLOCK_K // (32 * num_warps))),
                            num_warps=num_warps, num_stages=num_stages)
     else:
         upcast, precision = _dot_args(x)
