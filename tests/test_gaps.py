@@ -71,6 +71,13 @@ def test_floor_gap_splits_into_idle_below_own_floor_and_unattributed():
     rows = {r["name"]: r for r in b["kernels"]}
     assert rows["A"]["pct_of_own_floor"] == pytest.approx(0.8)
     assert "own_floor_us" not in rows["H"]
+    assert f["bytes_unmatched"] == []
+    # bytes for a name the trace does not hold are listed, not counted
+    f3 = gaps.breakdown(steps, 0.058, 2, floor_ms=0.040, bytes_by_kernel={"A": 16e6, "Z": 1e9},
+                        copy_gbs=1000.0)
+    assert f3["floor"]["bytes_unmatched"] == ["Z"]
+    assert f3["floor"]["below_own_floor_ms"] == pytest.approx(0.004)
+    assert "not in the trace (left out): Z" in gaps.markdown(f3)
     # without bytes per kernel: idle and the rest
     f2 = gaps.breakdown(steps, 0.058, 2, floor_ms=0.040)["floor"]
     assert f2["kernels_above_floor_ms"] == pytest.approx(0.010)
@@ -156,6 +163,14 @@ def test_cli_from_json_prints_the_markdown_table(tmp_path):
     bytes_path.write_text(json.dumps({"A": 16e6, "B": 8e6}))
     r = _cli("--from-json", str(path), "--floor-ms", "0.040", "--copy-gbs", "1000",
              "--bytes-json", str(bytes_path), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["floor"]["below_own_floor_ms"] == pytest.approx(0.006)
+    # bytes from an ncu CSV (two steps replayed): A and B at the same per-step bytes
+    ncu = tmp_path / "ncu.csv"
+    ncu.write_text(NCU_CSV.replace("_gemv_kernel", "A").replace("_rmsnorm_kernel", "B")
+                   .replace("33,554,432", "15,991,808").replace('"8,192","8,192"', '"4,000,000","4,000,000"'))
+    r = _cli("--from-json", str(path), "--floor-ms", "0.040", "--copy-gbs", "1000",
+             "--ncu-csv", str(ncu), "--ncu-steps", "2", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["floor"]["below_own_floor_ms"] == pytest.approx(0.006)
     # a chrome trace works too; --layers is required when the file has none

@@ -44,10 +44,14 @@ passage to quote, so only the help text stands behind this:
   `replay_for_ncu` calls around its replays).
 - `--csv` (implies `--print-units base`: bytes, nanoseconds) and `--page raw` (every collected
   metric), `--log-file FILE` for the output.
+- `--kernel-name-base demangled` (default `function`): the names ncu prints. torch.profiler
+  names C++ kernels (cuBLAS, aten) by their demangled signature, Triton kernels by their
+  function name; bytes are matched to the trace by exact name, and the names that match no
+  traced kernel are listed (`floor.bytes_unmatched`), their bytes left out of the split.
 The command (run from the worktree, after a warm-up inside the script):
 
     ncu --graph-profiling node --profile-from-start off --cache-control none \
-        --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+        --clock-control none --kernel-name-base demangled --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
         --csv --page raw --log-file ncu.csv python3 YOUR_SCRIPT.py   # calls replay_for_ncu(step, 2)
 
 then `python3 -m daemon.bench.gaps --from-json EVENTS.json --ncu-csv ncu.csv --ncu-steps 2
@@ -126,7 +130,8 @@ def steps_from_trace(trace_events: list[dict], kernels_per_step: int | None = No
     for e in trace_events:
         name = str(e.get("name", ""))
         corr = (e.get("args") or {}).get("correlation")
-        if e.get("cat") == "cuda_runtime" and corr is not None and name.startswith(GRAPH_LAUNCH_NAMES):
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and corr is not None \
+                and name.startswith(GRAPH_LAUNCH_NAMES):
             launches[corr] = float(e.get("ts", 0.0))
     if launches:
         groups: dict = {}
@@ -283,7 +288,8 @@ def breakdown(events_per_step, step_ms: float | None, layers: int, floor_ms: flo
                           "named_floor_ms": sum(r["own_floor_us"] for r in named) / 1e3,
                           "named_kernels": len(named),
                           "unnamed_kernel_ms": sum(r["us_per_step"] for r in per_name
-                                                   if "own_floor_us" not in r) / 1e3})
+                                                   if "own_floor_us" not in r) / 1e3,
+                          "bytes_unmatched": sorted(set(bytes_by_kernel) - set(names))})
         else:
             split.update({"kernels_above_floor_ms": (gap_us - idle_us) / 1e3})
         out["floor"] = split
@@ -323,6 +329,9 @@ def markdown(b: dict, top: int | None = None) -> str:
                          f"bytes, their floors sum to {f['named_floor_ms']:.3f} ms); unattributed "
                          f"{part(f['unattributed_ms'])} (kernels without bytes: "
                          f"{f['unnamed_kernel_ms']:.3f} ms of run time)")
+            if f["bytes_unmatched"]:
+                lines.append(f"- bytes given for {len(f['bytes_unmatched'])} kernel names not in the "
+                             f"trace (left out): {', '.join(f['bytes_unmatched'][:5])}")
         else:
             lines.append(f"- gap split: idle {part(f['idle_ms'])}; kernels running longer than the "
                          f"floor {part(f['kernels_above_floor_ms'])} (no bytes per kernel given)")
@@ -424,8 +433,9 @@ def _step_times_ms(torch, graph, reps: int) -> list[float]:
 def profile(fn, steps: int = 10, *, device=None, warmup: int = 3, timed_steps: int = 30,
             pause_s: float = 0.002) -> dict:
     """Capture `fn` (one decode step, already warm) in a CUDA graph, time `timed_steps` replays
-    with CUDA events (median = step_ms), then replay `steps` times under torch.profiler with a
-    synchronize and `pause_s` of sleep between replays, and return the kernels per step:
+    with CUDA events (median = step_ms), then replay `steps` + 1 times under torch.profiler with
+    a synchronize and `pause_s` of sleep between replays (the first, where the profiler may
+    still be starting, is dropped), and return the kernels per step:
     {"format", "device", "steps": [[{name, start_us, dur_us}, ...], ...], "step_ms",
     "step_ms_all", "how"} -- the JSON that `--from-json` reads. Refuses a non-CUDA device."""
     torch = _require_cuda(device)
@@ -435,7 +445,7 @@ def profile(fn, steps: int = 10, *, device=None, warmup: int = 3, timed_steps: i
     graph = _capture(torch, fn, warmup)
     times = _step_times_ms(torch, graph, max(3, int(timed_steps)))
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(int(steps)):
+        for _ in range(int(steps) + 1):  # the first replay under the profiler is dropped
             graph.replay()
             torch.cuda.synchronize()
             time.sleep(pause_s)  # a gap no kernel gap inside a graph comes near: splits steps
@@ -443,7 +453,7 @@ def profile(fn, steps: int = 10, *, device=None, warmup: int = 3, timed_steps: i
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
-    per_step = steps_from_trace(trace.get("traceEvents", []), min_gap_us=pause_s * 1e6 / 2)
+    per_step = steps_from_trace(trace.get("traceEvents", []), min_gap_us=pause_s * 1e6 / 2)[1:]
     if not any(per_step):
         raise GapsError("torch.profiler recorded no kernels in the graph replays (CUPTI did not "
                         "trace graph kernel nodes here): use ncu or nsys on this host instead")
@@ -451,7 +461,8 @@ def profile(fn, steps: int = 10, *, device=None, warmup: int = 3, timed_steps: i
             "step_ms": statistics.median(times), "step_ms_all": times,
             "how": (f"CUDA graph of one step; step_ms = median of {len(times)} back-to-back replays "
                     f"timed by CUDA events, without the profiler; kernels from torch.profiler "
-                    f"(CUPTI) over {steps} replays separated by synchronize + {pause_s * 1e3:.1f} ms")}
+                    f"(CUPTI) over {steps} replays (one more before them dropped) separated by synchronize + "
+                    f"{pause_s * 1e3:.1f} ms")}
 
 
 def replay_for_ncu(fn, steps: int = 2, *, device=None, warmup: int = 3) -> None:
@@ -473,6 +484,10 @@ def profile_and_breakdown(fn, steps: int, layers: int, floor_ms: float | None = 
     """profile(fn, steps), then breakdown(...) at its step time. Returns (result, markdown):
     result is the breakdown with "raw" = the profile document (save it as JSON for
     --from-json)."""
+    if bytes_by_kernel and not copy_gbs:  # before spending device time
+        raise GapsError("bytes_by_kernel needs copy_gbs (the measured copy bandwidth, GB/s)")
+    if layers is None or int(layers) < 1:
+        raise GapsError(f"layers={layers!r}: need at least 1")
     raw = profile(fn, steps, device=device)
     result = breakdown(raw["steps"], raw["step_ms"], layers, floor_ms=floor_ms,
                        head_kernels=head_kernels, bytes_by_kernel=bytes_by_kernel, copy_gbs=copy_gbs)
