@@ -31,15 +31,15 @@ Terms (all per step, medians over the profiled steps):
   named kernels move beyond (or short of) the floor's bytes (split-K partials, re-reads).
 
 ncu (per-kernel DRAM bytes of one decode step, to fill `bytes_by_kernel`). What the options do
-is from ncu's `--help` text (Nsight Compute CLI); the docs search found the CLI manual but no
-passage to quote, so only the help text stands behind this:
+is from ncu's `--help` text (Nsight Compute CLI) as quoted in public files; the docs search
+found NVIDIA's CLI manual but no passage of it to quote, and ncu was not run here:
 - `--graph-profiling node` (the default): profile individual kernel nodes of a CUDA graph
   (`graph` profiles entire graphs as one result).
 - `--metrics a,b,...`: the metrics to collect, comma separated.
-- `--cache-control none` / `--clock-control none`: by default ncu flushes the caches before each
-  kernel (`all`) and locks the GPU clocks to base (`base`); `none` leaves both alone. Use
-  `none` for both: the lent H200's clocks are not to be touched, and a decode step's
-  activations are meant to sit in L2.
+- `--clock-control none`: the default, `base`, locks the GPU clocks to base while profiling;
+  the lent H200's clocks are not to be touched. `--cache-control none`: the help only says it
+  controls the GPU caches during profiling (default `all`; that `all` flushes them between
+  kernels is the usual reading, not quoted); `none` keeps a decode step's activations in L2.
 - `--profile-from-start off`: profile only between cudaProfilerStart/Stop (what
   `replay_for_ncu` calls around its replays).
 - `--csv` (implies `--print-units base`: bytes, nanoseconds) and `--page raw` (every collected
@@ -51,12 +51,13 @@ passage to quote, so only the help text stands behind this:
 The command (run from the worktree, after a warm-up inside the script):
 
     ncu --graph-profiling node --profile-from-start off --cache-control none \
-        --clock-control none --kernel-name-base demangled --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
-        --csv --page raw --log-file ncu.csv python3 YOUR_SCRIPT.py   # calls replay_for_ncu(step, 2)
+        --clock-control none --kernel-name-base demangled \
+        --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+        --csv --page raw --log-file ncu.csv python3 YOUR_SCRIPT.py  # calls replay_for_ncu(step, 2)
 
 then `python3 -m daemon.bench.gaps --from-json EVENTS.json --ncu-csv ncu.csv --ncu-steps 2
---copy-gbs 4223`. Check the metric names on the device first (`ncu --query-metrics --chips
-gh100`; the help lists `--query-metrics` and `--chips`): `dram__bytes_read.sum` /
+--copy-gbs 4223`. Check the metric names on the device first (`ncu --query-metrics`, with
+`--chips` from `ncu --list-chips`; all three are in the help): `dram__bytes_read.sum` /
 `dram__bytes_write.sum` are the names in common use, not confirmed here from NVIDIA's docs.
 ncu replays each kernel alone (serialised), so its `gpu__time_duration` is not the time inside
 a graph; only its bytes are used. `bytes_from_ncu_csv` was written against the column names
