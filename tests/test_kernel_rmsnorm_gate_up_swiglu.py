@@ -232,3 +232,37 @@ def test_weight_loads_are_16_byte_vectors_in_the_sm90_ptx():
     d = counts["D1"]
     # per stage and thread: 8 x 16 B of weight (evict_first), 8 x 16 B of x; 2 stages ahead + 1
     assert d["cp16_evict"] >= 16 and d["cp16"] >= 32 and d["b16"] == 0 and d["mma"] > 0, d
+
+
+_DISPATCH_CHILD = r"""
+import json
+import torch
+from kernelsearch.specs import SPECS
+from tests.tuned_tables import verified_table
+
+spec = SPECS["rmsnorm_gate_up_swiglu"]
+shape = {"M": 2, "K": 70, "I": 19}
+params = {"variant": "gemv", "BLOCK_M": 8, "BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 3,
+          "num_warps": 4, "num_stages": 3, "REDUCE": "last"}
+table = verified_table([("rmsnorm_gate_up_swiglu", shape, "float32", params)])
+report = {"prepared": table.prepare("cpu"), "err": []}
+g = torch.Generator().manual_seed(5)
+for _ in range(2):  # the second call finds the counters the first one set back to zero
+    inp = spec.make_inputs(shape, torch.float32, "cpu", g, "rows")
+    out = table.call("rmsnorm_gate_up_swiglu", inp["x"], inp["norm_weight"], inp["weight"], inp["eps"])
+    ref = spec.reference(inp)["out"]
+    report["err"].append(((out.double() - ref).norm() / ref.norm()).item())
+report["counts"] = {f"{k}:{r}": n for (k, r), n in table.counts.items()}
+print(json.dumps(report))
+"""
+
+
+def test_a_verified_split_k_entry_runs_through_the_dispatch_table():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _DISPATCH_CHILD], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["counts"] == {"rmsnorm_gate_up_swiglu:tuned": 2}, doc
+    assert doc["prepared"] == 1, doc  # its plan loaded, the arrival counters allocated, before any call
+    assert all(e < 1e-5 for e in doc["err"]), doc
