@@ -1,0 +1,463 @@
+"""RMSNorm + gate|up projection + SwiGLU template (a Llama MLP's first half in one kernel):
+out[M, I] = silu(g) * u, g | u = (x / rms(x) * norm_weight) @ weight[2I, K].T, gate rows [0, I),
+up rows [I, 2I) (nn.Linear's layout, the two weights concatenated).
+
+At decode the weight (2I x K) is everything: 235 MB at Llama-3-8B against 8 KB of x. So this is
+the linear template's decode GEMV (kernelsearch/kernels/linear.py, measured on the H200) with the
+norm as a prologue and SwiGLU as an epilogue that add no DRAM traffic:
+- A program takes BLOCK_N gate rows n0.. and the matching up rows I + n0.., with two
+  accumulators fed by the same x tile. Features past I re-read valid rows (gate rows wrap in
+  [0, I), up rows in [I, 2I), never the other half), so weight loads stay unmasked along N;
+  only the stores are masked.
+- RMSNorm: the x tiles the program already loads also give each row's sum of squares over its
+  range of K (no extra read of x); norm_weight multiplies x per K step; the row's 1/rms, a
+  factor of every product, scales the two dot products once at the end.
+- SwiGLU in fp32 as g / (1 + exp(-g)) * u (exp overflowing to inf gives the limit, -0), one
+  store of `out` in x's dtype: the [M, 2I] gate|up never exists.
+- SPLIT_K > 1: each split stores its partial g and u ([SPLITS, 2, M, I] fp32) and its partial
+  sum of squares ([SPLITS, N tiles, M] fp32: each N tile its own copy, so a tile's reducer
+  reads only what its own split-mates wrote), reduced in a fixed order (deterministic, no float
+  atomics) by the program that arrives last at its tile (REDUCE="last": CTA barrier, acq_rel
+  arrival counter, counters allocated zeroed once per device and set back to 0 by the last
+  program: CUDA-graph safe) or by a second kernel (REDUCE="launch"), which then scales and
+  applies SwiGLU before the single store. One split writes `out` directly.
+Variants:
+- "gemv" (batch 1-8): no tl.dot. min(next power of two of M, 8) rows of x per program (rows
+  past M re-read valid ones), products accumulated into [BLOCK_N, BLOCK_K] fp32 tiles (batch
+  1) or [rows, BLOCK_N, BLOCK_K] ones, summed over K once after the loop; evict_first weight
+  loads (each byte is read once; x, re-read by every program, stays in L2); the split offset
+  is split_steps x BLOCK_K with split_steps a runtime int, so the compiler knows k_lo is a
+  multiple of BLOCK_K (16-byte loads along K). The two accumulators together are capped at
+  64 registers a thread (GEMV_ACC_PER_WARP); rows are cut to fit.
+- "splitk" (batch 9-64): two tl.dots (gate, up) on the normed x tile, all rows of the batch
+  in one program (padded to at least 16, BLOCK_M >= 32) so that the weight is streamed once.
+  The normed x goes to the dot in the weight's dtype (bf16 on the GPU, as the stock path's
+  normed x is), its sum of squares is taken in fp32 before that rounding.
+Neither variant has a prefill tile: every config is correct at any M (a larger M re-streams the
+weight once per row block), only slower.
+fp32 accumulation, cast on store; fp32 operands use exact (ieee) dots; the interpreter's bf16
+arithmetic being wrong, operands are upcast on the CPU.
+
+Why each config (H200: 132 SMs, ~4.2 TB/s by copy; at ~0.7 us of DRAM latency that is ~3 MB
+in flight, ~23 KB per SM). "tile" = the weight bytes one program loads per K step: 2 x BLOCK_N
+rows (gate and up) x BLOCK_K x 2 bytes. The decode shapes: K 4096, 2I 28672 (Llama-3-8B) and
+K 3584, 2I 37888 (Qwen2.5-7B); "programs" counted at Llama (I / BLOCK_N). The gemv tiles are
+linear's (BLOCK_N halved: a program reads gate and up rows, so the two accumulators hold as
+much as linear's one); at 4096 -> 28672 and batch 1 linear's gemv reached 96-97% of copy
+bandwidth (bench/results/h200-issue12b/run2-linear.txt). BLOCK_N >= 4: every program re-reads
+its x tile from L2, 1 / (2 BLOCK_N) of its weight bytes. Registers a thread: ptxas for sm_90
+(triton 3.9 here, batch 1, bf16), no spills; the norm's sum of squares costs a few more than
+linear (BLOCK_K / lanes fp32 a thread). The GEMV loop is not software-pipelined (num_stages
+changes nothing for gemv: its configs all say 3), so bytes in flight = resident programs x tile:
+  G1 gemv 4x1024, 4 warps: 16 KB tile, 126 registers: 4 programs an SM, 64 KB in flight an
+     SM; 3584 programs. The first guess for batch 1 (1 row a program within 64 accumulator
+     registers: batch 2-8 is G2-G4's).
+  G2 gemv 4x512, 4 warps: 8 KB tile, 89 registers, 5 an SM, 40 KB (linear's 8x512 tile, its
+     best at 4096 -> 28672: 97%); 2 rows a program at batch 2-8.
+  G3 gemv 8x512, 4 warps: 16 KB tile, 161 registers, 3 an SM, 48 KB; 1792 programs.
+  G4 gemv 8x256, split 2 (last), 4 warps: 8 KB tile, 88 registers, 5 an SM, 40 KB; 3584
+     programs with K in halves; the partials (2 splits x 2 x I x 4 B, 0.2% of the weight)
+     for shapes with few N tiles.
+  Batch 32 (tl.dot, mma.sync; x and weight tiles pipelined by cp.async into num_stages - 1
+  shared-memory buffers, the size triton 3.9 allocated for sm_90; 227 KB an SM). A stage holds
+  the x tile (32 x BLOCK_K) and the weight tile (2 x BLOCK_N rows). One split: the wide 2I
+  gives enough programs, and 2 splits would write and re-read 2 x 2 x 32 x 2I x 4 B (15 MB, 6%
+  of the weight) at Llama; linear's one-split 32x32x256 was its best tl.dot config at
+  4096 -> 28672 and batch 32 (81%, against cuBLAS's 99%):
+  D1 splitk 32x16x256, 3 stages: 16 + 16 KB a stage, 65 KB, 96 registers: 3 programs an SM;
+     896 programs. linear's D1 stage. The first guess for batch 32.
+  D2 splitk 32x16x256, split 2 (last): as D1 with 1792 programs (the partials cost 6%).
+  D3 splitk 32x32x256, 3 stages: 16 + 32 KB a stage, 97 KB, 145 registers: 2 an SM; 448.
+  D4 splitk 32x16x128, 4 stages: 8 + 8 KB a stage, 48 KB, 125 registers: 4 an SM; 896.
+  D5 splitk 32x32x128, 4 stages: 8 + 16 KB a stage, 72 KB, 140 registers: 3 an SM; 448.
+Order: the grid strategy walks the domain in SPACE order (params sorted by name: BLOCK_K
+outermost, listed descending, then BLOCK_M ascending: 8 is gemv, 32 splitk) and under a budget
+B takes B points evenly spread over it. CONFIGS is listed in that order (the test holds it):
+the gemv block first, then the batch-32 block, so any B >= 2 samples both (B = 2: G1, D1;
+B = 4: G1, G3, D1, D3; B = 6: G1, G2, G4, D1, D3, D4). CONFIGS[0] (G1) and the middle entry
+(D1) are what a caller without a dispatch table takes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SPACE = {
+    "variant": ["gemv", "splitk"],
+    "BLOCK_M": [8, 16, 32, 64],         # the most rows of x one program takes
+    "BLOCK_N": [2, 4, 8, 16, 32, 64],   # gate rows per program (and as many up rows)
+    "BLOCK_K": [1024, 512, 256, 128, 64, 32],  # descending: see "Order" in the docstring
+    "SPLIT_K": [1, 2, 4, 8],
+    "num_warps": [4, 8],
+    "num_stages": [2, 3, 4],
+    "REDUCE": ["last", "launch"],       # the last-arriving program, or a second kernel
+}
+
+SMEM_LIMIT_BYTES = 220 * 1024           # Hopper allows 227 KB per block; keep a margin
+GEMV_ACC_PER_WARP = 2048                # fp32 accumulator elements per warp: 64 registers a thread
+GEMV_MAX_ROWS = 8                       # gemv: BLOCK_M is a cap; more rows go to tl.dot (splitk)
+
+
+def _valid(p: dict) -> bool:
+    smem = (p["BLOCK_M"] * p["BLOCK_K"] + 2 * p["BLOCK_N"] * p["BLOCK_K"]) * 2 * p["num_stages"]
+    if smem > SMEM_LIMIT_BYTES:
+        return False
+    if p["variant"] == "gemv":
+        return (p["BLOCK_M"] == GEMV_MAX_ROWS and p["BLOCK_K"] >= 64
+                and 2 * p["BLOCK_N"] * p["BLOCK_K"] <= GEMV_ACC_PER_WARP * p["num_warps"])
+    # tl.dot: at least 16 rows and 16 columns a dot
+    return p["BLOCK_M"] >= 16 and p["BLOCK_N"] >= 16 and p["BLOCK_K"] >= 64
+
+
+def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last"):
+    # One split (SPLIT_K=1) writes `out` directly: REDUCE is then unused.
+    return {"variant": variant, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk,
+            "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
+
+
+# Curated, not the product of SPACE; the docstring says why each entry is here and in what
+# order the grid strategy walks them (the list order, G1..D5).
+CONFIGS = [
+    # batch 1-8: the GEMV (rows per program = next power of two of M, at most 8)
+    _cfg("gemv", 8, 4, 1024, 1, 4, 3),      # G1
+    _cfg("gemv", 8, 4, 512, 1, 4, 3),       # G2
+    _cfg("gemv", 8, 8, 512, 1, 4, 3),       # G3
+    _cfg("gemv", 8, 8, 256, 2, 4, 3),       # G4
+    # batch 9-64: two tl.dots with all 32 rows in one program (the weight is streamed once)
+    _cfg("splitk", 32, 16, 256, 1, 4, 3),   # D1
+    _cfg("splitk", 32, 16, 256, 2, 4, 3),   # D2
+    _cfg("splitk", 32, 32, 256, 1, 4, 3),   # D3
+    _cfg("splitk", 32, 16, 128, 1, 4, 4),   # D4
+    _cfg("splitk", 32, 32, 128, 1, 4, 4),   # D5
+]
+CONFIGS = [p for p in CONFIGS if _valid(p)]
+
+
+@triton.jit
+def _rms_swiglu(g, u, ss, K, eps):
+    # 1/rms is a factor of every product of the row: applied once, to the sums.
+    rstd = 1.0 / tl.sqrt(ss / K + eps)
+    g = g * rstd
+    return g / (1.0 + tl.exp(-g)) * (u * rstd)
+
+
+@triton.jit(do_not_specialize=["split_steps"])
+def _gemv_kernel(x_ptr, nw_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, I, K, split_steps, eps,
+                 s_xm, s_xk, s_nk, s_wn, s_wk, s_cm, s_cn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 DIRECT: tl.constexpr, EVEN_K: tl.constexpr, LAST_REDUCES: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    tiles = tl.num_programs(0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # A split is split_steps x BLOCK_K long, so the compiler knows k_lo is a multiple of
+    # BLOCK_K: 16-byte loads along K (as in linear.py).
+    k_per_split = split_steps * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = min(k_lo + k_per_split, K)
+    # Features past I wrap: gate rows stay in [0, I), up rows in [I, 2I); only stores are masked.
+    g_rows = (rn % I).to(tl.int64)
+    wg_ptrs = w_ptr + g_rows[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
+    wu_ptrs = w_ptr + (g_rows + I)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
+    nw_ptrs = nw_ptr + (k_lo + rk) * s_nk
+    if BLOCK_M == 1:
+        x_ptrs = x_ptr + pid_m.to(tl.int64) * s_xm + (k_lo + rk) * s_xk
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    else:
+        x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
+        acc3_g = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        # Each weight byte is read once: evict_first keeps x (re-read by every program) in L2.
+        if EVEN_K:
+            wg = tl.load(wg_ptrs, eviction_policy="evict_first")
+            wu = tl.load(wu_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptrs)
+            nw = tl.load(nw_ptrs)
+        else:
+            k_ok = (k + rk) < K
+            wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            nw = tl.load(nw_ptrs, mask=k_ok, other=0.0)
+            if BLOCK_M == 1:
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            else:
+                x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        # Sums of squares and products summed over K once, after the loop.
+        sq += xf * xf
+        if BLOCK_M == 1:
+            xn = xf * nw.to(tl.float32)
+            acc_g += wg.to(tl.float32) * xn[None, :]
+            acc_u += wu.to(tl.float32) * xn[None, :]
+        else:
+            xn = (xf * nw.to(tl.float32)[None, :])[:, None, :]
+            acc3_g += xn * wg.to(tl.float32)[None, :, :]
+            acc3_u += xn * wu.to(tl.float32)[None, :, :]
+        wg_ptrs += BLOCK_K * s_wk
+        wu_ptrs += BLOCK_K * s_wk
+        nw_ptrs += BLOCK_K * s_nk
+        x_ptrs += BLOCK_K * s_xk
+    n_ok = rn < I
+    if BLOCK_M == 1:
+        g = tl.sum(acc_g, axis=1)
+        u = tl.sum(acc_u, axis=1)
+        ss = tl.sum(sq, axis=0)
+        if DIRECT:
+            tl.store(c_ptr + pid_m.to(tl.int64) * s_cm + rn * s_cn,
+                     _rms_swiglu(g, u, ss, K, eps).to(c_ptr.dtype.element_ty), mask=n_ok)
+        else:
+            ws_g = ws_ptr + ((2 * pid_k) * M + pid_m).to(tl.int64) * I + rn
+            tl.store(ws_g, g, mask=n_ok)
+            tl.store(ws_g + M * I, u, mask=n_ok)
+            tl.store(ss_ptr + (pid_k * tiles + pid_n) * M + pid_m, ss)
+    else:
+        g = tl.sum(acc3_g, axis=2)
+        u = tl.sum(acc3_u, axis=2)
+        ss = tl.sum(sq, axis=1)
+        m_ok = rm < M
+        mask = m_ok[:, None] & n_ok[None, :]
+        if DIRECT:
+            c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+            tl.store(c_ptrs, _rms_swiglu(g, u, ss[:, None], K, eps).to(c_ptr.dtype.element_ty),
+                     mask=mask)
+        else:
+            ws_g = ws_ptr + ((2 * pid_k) * M + rm).to(tl.int64)[:, None] * I + rn[None, :]
+            tl.store(ws_g, g, mask=mask)
+            tl.store(ws_g + M * I, u, mask=mask)
+            tl.store(ss_ptr + (pid_k * tiles + pid_n) * M + rm, ss, mask=m_ok)
+    if LAST_REDUCES:
+        # Every thread's partial is stored before one thread's release (CTA barrier).
+        tl.debug_barrier()
+        counter = cnt_ptr + pid_m * tiles + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            if BLOCK_M == 1:
+                gr = tl.zeros([BLOCK_N], dtype=tl.float32)
+                ur = tl.zeros([BLOCK_N], dtype=tl.float32)
+                ssr = tl.load(ss_ptr + pid_n * M + pid_m, cache_modifier=".cg")
+                for sk in tl.static_range(SPLITS):  # fixed order: the same bits every run
+                    part = ws_ptr + ((2 * sk) * M + pid_m).to(tl.int64) * I + rn
+                    gr += tl.load(part, mask=n_ok, other=0.0, cache_modifier=".cg")
+                    ur += tl.load(part + M * I, mask=n_ok, other=0.0, cache_modifier=".cg")
+                    if sk > 0:
+                        ssr += tl.load(ss_ptr + (sk * tiles + pid_n) * M + pid_m,
+                                       cache_modifier=".cg")
+                tl.store(c_ptr + pid_m.to(tl.int64) * s_cm + rn * s_cn,
+                         _rms_swiglu(gr, ur, ssr, K, eps).to(c_ptr.dtype.element_ty), mask=n_ok)
+            else:
+                m_ok = rm < M
+                mask = m_ok[:, None] & n_ok[None, :]
+                gr = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                ur = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                ssr = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for sk in tl.static_range(SPLITS):
+                    part = ws_ptr + ((2 * sk) * M + rm).to(tl.int64)[:, None] * I + rn[None, :]
+                    gr += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                    ur += tl.load(part + M * I, mask=mask, other=0.0, cache_modifier=".cg")
+                    ssr += tl.load(ss_ptr + (sk * tiles + pid_n) * M + rm, mask=m_ok, other=0.0,
+                                   cache_modifier=".cg")
+                c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+                tl.store(c_ptrs, _rms_swiglu(gr, ur, ssr[:, None], K, eps).to(c_ptr.dtype.element_ty),
+                         mask=mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed")  # ready for the next launch
+
+
+@triton.jit(do_not_specialize=["split_steps"])
+def _splitk_kernel(x_ptr, nw_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, I, K, split_steps, eps,
+                   s_xm, s_xk, s_nk, s_wn, s_wk, s_cm, s_cn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DIRECT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr,
+                   SPLITS: tl.constexpr, RED_M: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    tiles = tl.num_programs(0)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    k_per_split = split_steps * BLOCK_K  # a multiple of BLOCK_K: see _gemv_kernel
+    k_lo = pid_k * k_per_split
+    k_hi = min(k_lo + k_per_split, K)
+    g_rows = (rn % I).to(tl.int64)  # wrap inside each half, as in _gemv_kernel
+    x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
+    wg_ptrs = w_ptr + g_rows[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
+    wu_ptrs = w_ptr + (g_rows + I)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
+    nw_ptrs = nw_ptr + (k_lo + rk) * s_nk
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            nw = tl.load(nw_ptrs)
+            wg = tl.load(wg_ptrs, eviction_policy="evict_first")
+            wu = tl.load(wu_ptrs, eviction_policy="evict_first")
+        else:
+            k_ok = (k + rk) < K
+            a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            nw = tl.load(nw_ptrs, mask=k_ok, other=0.0)
+            wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        af = a.to(tl.float32)
+        ss += tl.sum(af * af, axis=1)
+        xn = af * nw.to(tl.float32)[None, :]
+        if UPCAST:
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        else:
+            xn = xn.to(w_ptr.dtype.element_ty)
+        acc_g = tl.dot(xn, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(xn, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * s_xk
+        nw_ptrs += BLOCK_K * s_nk
+        wg_ptrs += BLOCK_K * s_wk
+        wu_ptrs += BLOCK_K * s_wk
+    m_ok = rm < M
+    mask = m_ok[:, None] & (rn[None, :] < I)
+    if DIRECT:
+        c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+        tl.store(c_ptrs, _rms_swiglu(acc_g, acc_u, ss[:, None], K, eps).to(c_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        ws_g = ws_ptr + ((2 * pid_k) * M + rm).to(tl.int64)[:, None] * I + rn[None, :]
+        tl.store(ws_g, acc_g, mask=mask)
+        tl.store(ws_g + M * I, acc_u, mask=mask)
+        tl.store(ss_ptr + (pid_k * tiles + pid_n) * M + rm, ss, mask=m_ok)
+        if LAST_REDUCES:
+            # Every thread's partial is stored before one thread's release (CTA barrier).
+            tl.debug_barrier()
+            counter = cnt_ptr + pid_m * tiles + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == SPLITS - 1:
+                # Rows in RED_M-row slices: batch 1 reads one row per split, not BLOCK_M.
+                rr = tl.arange(0, RED_M)
+                n_ok = rn[None, :] < I
+                for m0 in range(0, tl.minimum(M - pid_m * BLOCK_M, BLOCK_M), RED_M):
+                    rows = pid_m * BLOCK_M + m0 + rr
+                    r_ok = rows < M
+                    rmask = r_ok[:, None] & n_ok
+                    g = tl.zeros([RED_M, BLOCK_N], dtype=tl.float32)
+                    u = tl.zeros([RED_M, BLOCK_N], dtype=tl.float32)
+                    sr = tl.zeros([RED_M], dtype=tl.float32)
+                    for sk in tl.static_range(SPLITS):  # fixed order: the same bits every run
+                        part = ws_ptr + ((2 * sk) * M + rows).to(tl.int64)[:, None] * I + rn[None, :]
+                        g += tl.load(part, mask=rmask, other=0.0, cache_modifier=".cg")
+                        u += tl.load(part + M * I, mask=rmask, other=0.0, cache_modifier=".cg")
+                        sr += tl.load(ss_ptr + (sk * tiles + pid_n) * M + rows, mask=r_ok,
+                                      other=0.0, cache_modifier=".cg")
+                    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+                    tl.store(c_ptrs, _rms_swiglu(g, u, sr[:, None], K, eps).to(c_ptr.dtype.element_ty),
+                             mask=rmask)
+                tl.atomic_xchg(counter, 0, sem="relaxed")  # ready for the next launch
+
+
+@triton.jit
+def _reduce_kernel(ws_ptr, ss_ptr, c_ptr, M, I, K, eps, SPLITS, tiles, s_cm, s_cn,
+                   TILE_N: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mi = M * I
+    mask = offs < mi
+    m = offs // I
+    n = offs % I
+    g = tl.zeros([BLOCK], dtype=tl.float32)
+    u = tl.zeros([BLOCK], dtype=tl.float32)
+    ss = tl.zeros([BLOCK], dtype=tl.float32)
+    g_ptrs = ws_ptr + offs
+    ss_ptrs = ss_ptr + (n // TILE_N) * M + m  # the row's sum of squares as its N tile stored it
+    for _ in range(0, SPLITS):  # fixed order: the same bits every run
+        g += tl.load(g_ptrs, mask=mask, other=0.0)
+        u += tl.load(g_ptrs + mi, mask=mask, other=0.0)
+        ss += tl.load(ss_ptrs, mask=mask, other=0.0)
+        g_ptrs += 2 * mi
+        ss_ptrs += tiles * M
+    tl.store(c_ptr + m * s_cm + n * s_cn, _rms_swiglu(g, u, ss, K, eps).to(c_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def _dot_args(x):
+    # fp32 operands: exact products (tl.dot would default to tf32). The interpreter's bf16
+    # arithmetic is wrong, so on the CPU operands are upcast before tl.dot.
+    upcast = x.device.type != "cuda"
+    return upcast, ("ieee" if x.dtype == torch.float32 or upcast else "tf32")
+
+
+_counters: dict = {}  # device -> int32 arrival counters, zero between launches
+
+
+def _arrival_counters(device, n: int):
+    key = str(device)
+    cnt = _counters.get(key)
+    if cnt is None or cnt.numel() < n:
+        cnt = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _counters[key] = cnt
+    return cnt
+
+
+def launch(x, norm_weight, weight, eps, out, variant="gemv", BLOCK_M=8, BLOCK_N=4, BLOCK_K=1024,
+           SPLIT_K=1, num_warps=4, num_stages=3, REDUCE="last"):
+    M, K = x.shape
+    two_i, K2 = weight.shape
+    I = two_i // 2
+    if (K2 != K or two_i % 2 or tuple(norm_weight.shape) != (K,)
+            or tuple(out.shape) != (M, I)):
+        raise ValueError(f"rmsnorm_gate_up_swiglu shapes x{tuple(x.shape)} "
+                         f"norm_weight{tuple(norm_weight.shape)} weight{tuple(weight.shape)} "
+                         f"out{tuple(out.shape)}")
+    if M == 0 or I == 0:
+        return out
+    if K == 0:
+        raise ValueError("rmsnorm_gate_up_swiglu template needs K > 0")
+    if variant not in ("gemv", "splitk"):
+        raise ValueError(f"unknown rmsnorm_gate_up_swiglu variant {variant!r}")
+    if REDUCE not in ("launch", "last"):
+        raise ValueError(f"unknown rmsnorm_gate_up_swiglu REDUCE {REDUCE!r}")
+    eps = float(eps)
+    even_k = K % BLOCK_K == 0
+    rows = triton.next_power_of_2(M)
+    if variant == "gemv":
+        # Rows per program: M rounded up to a power of two, at most BLOCK_M, and as many as
+        # the two accumulators' budget leaves (a larger M re-streams the weight per row block).
+        budget = max(1, GEMV_ACC_PER_WARP * num_warps // (2 * BLOCK_N * BLOCK_K))
+        block_m = max(1, min(rows, BLOCK_M, GEMV_MAX_ROWS, budget))
+    else:
+        block_m = max(16, min(rows, BLOCK_M))  # tl.dot needs at least 16 rows
+    k_per_split = triton.cdiv(triton.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    splits = triton.cdiv(K, k_per_split)
+    direct = splits == 1
+    last = REDUCE == "last" and not direct
+    grid = (triton.cdiv(I, BLOCK_N), splits, triton.cdiv(M, block_m))
+    if direct:
+        ws = ss_ws = out  # unused
+    else:
+        ws = torch.empty((splits, 2, M, I), device=x.device, dtype=torch.float32)
+        ss_ws = torch.empty((splits, grid[0], M), device=x.device, dtype=torch.float32)
+    cnt = _arrival_counters(x.device, grid[0] * grid[2]) if last else ws
+    args = (x, norm_weight, weight, ws, ss_ws, out, cnt, M, I, K, k_per_split // BLOCK_K, eps,
+            x.stride(0), x.stride(1), norm_weight.stride(0), weight.stride(0), weight.stride(1),
+            out.stride(0), out.stride(1))
+    if variant == "gemv":
+        _gemv_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                           DIRECT=direct, EVEN_K=even_k, LAST_REDUCES=last, SPLITS=splits,
+                           num_warps=num_warps, num_stages=num_stages)
+    else:
+        upcast, precision = _dot_args(x)
+        _splitk_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                             DIRECT=direct, EVEN_K=even_k, UPCAST=upcast, DOT_PRECISION=precision,
+                             LAST_REDUCES=last, SPLITS=splits, RED_M=min(rows, block_m),
+                             num_warps=num_warps, num_stages=num_stages)
+    if not direct and not last:
+        block = 1024
+        _reduce_kernel[(triton.cdiv(M * I, block),)](ws, ss_ws, out, M, I, K, eps, splits, grid[0],
+                                                     out.stride(0), out.stride(1),
+                                                     TILE_N=BLOCK_N, BLOCK=block, num_warps=4)
+    return out
