@@ -51,6 +51,9 @@ checks the mask and runs the model's own attention when a row is padded; under t
 (no host sync) such a row's output is NaN instead of silently wrong.
 
 Inference only: hwtune's ops have no backward; a module in training mode runs the original.
+Not recorded: output_attentions / output_hidden_states (transformers 5 records them with hooks on
+its own attention and decoder-layer classes, which the patched modules are not): a patched
+attention gives no attentions, and with fused layers no per-layer hidden states come back.
 """
 from __future__ import annotations
 
