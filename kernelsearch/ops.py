@@ -13,6 +13,15 @@
                                                               (or [1, D]), positions int64 [B],
                                                               caches [B, Hkv, S, D] contiguous,
                                                               written in place (mutates_args)
+    torch.ops.hwtune.rms_norm_linear(x, norm_weight, weight, eps)
+                                                              x [..., K], norm_weight [K], weight [N, K]
+                                                              -> rms_norm(x) @ weight.T [..., N]
+    torch.ops.hwtune.rms_norm_gate_up_swiglu(x, norm_weight, weight, eps)
+                                                              weight [2I, K]: gate rows, then up rows
+                                                              -> silu(n @ gate.T) * (n @ up.T) [..., I]
+    torch.ops.hwtune.linear_residual(x, weight, residual)     x [..., K], weight [N, K],
+                                                              residual [..., N] (not changed)
+                                                              -> residual + x @ weight.T [..., N]
 
 Each op has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through it as
 one opaque node and CUDA graphs capture whatever it launches. The real implementation flattens
@@ -214,9 +223,83 @@ def _(qkv, cos, sin, positions, k_cache, v_cache, table=0):
     return qkv.new_empty((qkv.shape[0], hq, qkv.shape[2]))
 
 
+# --- rms_norm_linear ------------------------------------------------------------------------
+def _norm_linear_args(op, x, norm_weight, weight):
+    _same_dtype(op, x, norm_weight, weight)
+    if weight.dim() != 2 or norm_weight.shape != (x.shape[-1],) or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"hwtune::{op}: x{tuple(x.shape)} norm_weight{tuple(norm_weight.shape)} "
+                         f"weight{tuple(weight.shape)}: expected x [..., K], norm_weight [K], weight [N, K]")
+
+
+@torch.library.custom_op("hwtune::rms_norm_linear", mutates_args=())
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
+                    table: int = 0) -> torch.Tensor:
+    _norm_linear_args("rms_norm_linear", x, norm_weight, weight)
+    (out,) = run("rmsnorm_linear", table, _rows(x), norm_weight.contiguous(), weight.contiguous(),
+                 float(eps))
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@rms_norm_linear.register_fake
+def _(x, norm_weight, weight, eps, table=0):
+    _norm_linear_args("rms_norm_linear", x, norm_weight, weight)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# --- rms_norm_gate_up_swiglu ----------------------------------------------------------------
+def _gate_up_args(x, norm_weight, weight):
+    _norm_linear_args("rms_norm_gate_up_swiglu", x, norm_weight, weight)
+    if weight.shape[0] % 2:
+        raise ValueError(f"hwtune::rms_norm_gate_up_swiglu: weight{tuple(weight.shape)}: expected "
+                         "[2I, K] (gate rows, then up rows)")
+
+
+@torch.library.custom_op("hwtune::rms_norm_gate_up_swiglu", mutates_args=())
+def rms_norm_gate_up_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
+                            table: int = 0) -> torch.Tensor:
+    _gate_up_args(x, norm_weight, weight)
+    (out,) = run("rmsnorm_gate_up_swiglu", table, _rows(x), norm_weight.contiguous(), weight.contiguous(),
+                 float(eps))
+    return out.view(*x.shape[:-1], weight.shape[0] // 2)
+
+
+@rms_norm_gate_up_swiglu.register_fake
+def _(x, norm_weight, weight, eps, table=0):
+    _gate_up_args(x, norm_weight, weight)
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+# --- linear_residual ------------------------------------------------------------------------
+def _residual_args(x, weight, residual):
+    _same_dtype("linear_residual", x, weight, residual)
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or \
+            tuple(residual.shape) != (*x.shape[:-1], weight.shape[0]):
+        raise ValueError(f"hwtune::linear_residual: x{tuple(x.shape)} weight{tuple(weight.shape)} "
+                         f"residual{tuple(residual.shape)}: expected x [..., K], weight [N, K], "
+                         "residual [..., N]")
+
+
+@torch.library.custom_op("hwtune::linear_residual", mutates_args=())
+def linear_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+                    table: int = 0) -> torch.Tensor:
+    _residual_args(x, weight, residual)
+    (out,) = run("linear_residual", table, _rows(x), weight.contiguous(),
+                 residual.reshape(-1, weight.shape[0]).contiguous())
+    return out.view(residual.shape)
+
+
+@linear_residual.register_fake
+def _(x, weight, residual, table=0):
+    _residual_args(x, weight, residual)
+    return x.new_empty(residual.shape)
+
+
 OPS = {"rms_norm": "rmsnorm", "add_rms_norm": "add_rmsnorm", "linear": "linear", "swiglu": "swiglu",
        "rope": "rope", "decode_attention": "decode_attention",
-       "rope_kv_write": "rope_kv_write"}  # op name -> kernel (spec) name
+       "rope_kv_write": "rope_kv_write", "rms_norm_linear": "rmsnorm_linear",
+       "rms_norm_gate_up_swiglu": "rmsnorm_gate_up_swiglu",
+       "linear_residual": "linear_residual"}  # op name -> kernel (spec) name
 
 __all__ = ["rms_norm", "add_rms_norm", "linear", "swiglu", "rope", "decode_attention", "rope_kv_write",
+           "rms_norm_linear", "rms_norm_gate_up_swiglu", "linear_residual",
            "table_handle", "table_of", "run", "OPS"]

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from kernelsearch import dispatch  # noqa: E402
 from kernelsearch.integrations.transformers import decode_shapes, patch, unpatch  # noqa: E402
+from kernelsearch.kernels import TEMPLATES  # noqa: E402
 
 from conftest import ROOT  # noqa: E402
 
@@ -47,15 +48,16 @@ class RecordingTable(dispatch.DispatchTable):
         return None, None, "recording"
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("name,extra", [("Llama", {}), ("Qwen3", {"head_dim": 16})])
-def test_decode_shapes_are_exactly_the_shapes_the_patched_decode_step_looks_up(name, extra):
+def test_decode_shapes_are_exactly_the_shapes_the_patched_decode_step_looks_up(name, extra, fused):
     config = getattr(transformers, name + "Config")(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=80, max_position_embeddings=64, **extra)
     torch.manual_seed(0)
     model = getattr(transformers, name + "ForCausalLM")(config).eval()
     table = RecordingTable()
-    patch(model, table, stock_through_ops=True)
+    patch(model, table, stock_through_ops=True, fused=fused)
     try:
         for batch, context in ((3, 12), (1, 20)):
             cache = transformers.StaticCache(config=config, max_cache_len=context)
@@ -69,7 +71,14 @@ def test_decode_shapes_are_exactly_the_shapes_the_patched_decode_step_looks_up(n
                 seen.setdefault(kernel, [])
                 if shape not in seen[kernel]:
                     seen[kernel].append(shape)
-            want = decode_shapes(config, [batch], context)
+            want = decode_shapes(config, [batch], context, fused=fused)
+            if fused:   # every layer through the fused kernels: of the unfused ones the final norm
+                # (the layer norms' shape too) and lm_head are left; they stay listed as the fallback
+                assert len(want["linear"]) == 5 and "swiglu" in want
+                want["linear"] = [{"M": batch, "K": 64, "N": 80}]
+                want.pop("swiglu")
+            else:
+                assert not {"rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual"} & set(want)
             if name == "Llama":   # every shape through the ops: the fused rope_kv_write, never rope
                 assert "rope_kv_write" in want and "rope" in want
                 want.pop("rope")
@@ -90,9 +99,13 @@ TABLE_CHILD = textwrap.dedent('''
     from daemon.bench.hf import llama3_8b_config
     from kernelsearch.integrations.transformers import decode_shapes
 
+    from kernelsearch.kernels import TEMPLATES
+
     config = llama3_8b_config(layers=1, tiny=True)
     entries = []
     for kernel, shapes in decode_shapes(config, [2], [40]).items():
+        if kernel not in TEMPLATES:   # a fused kernel whose template is not merged yet: stock
+            continue
         for shape in shapes:
             params = {"decode_attention": {"BLOCK_S": 16, "NUM_SPLITS": 1, "num_warps": 4, "num_stages": 1},
                       "rope_kv_write": {"HEADS_PER_PROG": 2, "num_warps": 1}}.get(kernel, {})
@@ -130,7 +143,7 @@ def test_hf_llama_on_cpu_gives_every_row_with_hwtunes_tuned_kernels_within_toler
     assert "interpreter" in doc["hf"]["note"]
     rows = doc["decode"]
     assert [(r["variant"], r["batch"], r["ctx"]) for r in rows] == \
-        [(v, 2, 40) for v in ("hf-eager", "hf-compiled", "hf-hwtune", "hf-liger")]
+        [(v, 2, 40) for v in ("hf-eager", "hf-compiled", "hf-hwtune-unfused", "hf-hwtune", "hf-liger")]
     for r in rows:
         assert r["model"] == "hf-llama" and r["interpreter_timing"] is True
         if r["status"] == "ok":   # no NVML on a CPU: n/a, never a made-up number
@@ -142,14 +155,24 @@ def test_hf_llama_on_cpu_gives_every_row_with_hwtunes_tuned_kernels_within_toler
             assert r["decode_err_vs_hf_eager"] < 1e-4 and r["prefill_err_vs_hf_eager"] < 1e-4
             assert r["same_token_share"] == 1.0 and "warning" not in r
             assert r["speedup_vs_hf_compiled"] > 0
-    for r in (r for r in rows if r["variant"] == "hf-hwtune"):
+    fused = {"rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual"}
+    merged = fused & set(TEMPLATES)    # the fused kernels with a template (their entries are in the table)
+    unfused_kernels = {"rmsnorm", "linear", "swiglu", "rope_kv_write", "decode_attention"}
+    for r in (r for r in rows if r["variant"] in ("hf-hwtune-unfused", "hf-hwtune")):
         # every decode shape of this model had a verified entry: tuned kernels ran, not stock
         assert r["patch_report"][0].startswith("hwtune patch LlamaForCausalLM: 3 rms_norm, 1 mlp, 1 attention, 1 lm_head")
         assert f"{n_entries} tuned shapes here" in r["patch_report"][0]
         routes = r["table_routes"]   # every decode op ran its tuned kernel, none fell back to stock
-        assert {k for k in routes if k.endswith(":tuned")} == \
-            {f"{k}:tuned" for k in ("rmsnorm", "linear", "swiglu", "rope_kv_write", "decode_attention")}, routes
+        ran = {k.split(":")[0] for k in routes if k.endswith(":tuned")}
         assert not [k for k in routes if k.endswith(":stock")], routes
+        if r["variant"] == "hf-hwtune-unfused":   # issue 12's patch: no fused kernel, whatever the table
+            assert ran == unfused_kernels and not fused & set(r["patched"]), routes
+        else:
+            assert merged <= ran <= unfused_kernels | merged, routes
+            assert bool(merged) == any(k.startswith("fused ") for k in r["patched"]), r["patched"]
+    hw = {r["variant"]: r for r in rows}
+    assert hw["hf-hwtune"]["speedup_vs_hwtune_unfused"] == \
+        pytest.approx(hw["hf-hwtune-unfused"]["step_ms"] / hw["hf-hwtune"]["step_ms"])
     assert rows[1]["speedup_vs_hf_compiled"] == 1.0
     why = liger_importable()
     for r in (r for r in rows if r["variant"] == "hf-liger"):
@@ -159,7 +182,7 @@ def test_hf_llama_on_cpu_gives_every_row_with_hwtunes_tuned_kernels_within_toler
             assert r["status"] == "ok" or (r["status"].startswith("error: ") and r["traceback"]), r
             assert r["patch_report"][0].startswith("liger_kernel ")
     for step in ("building LlamaForCausalLM", "hf eager", "hf compiled: compiled in",
-                 "hwtune patched + compiled", "liger + compiled"):
+                 "hwtune unfused + compiled", "hwtune patched + compiled", "liger + compiled"):
         assert step in proc.stderr.replace("hf-compiled: compiled in", "hf compiled: compiled in"), step
 
 

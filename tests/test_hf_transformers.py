@@ -21,7 +21,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import StaticCache  # noqa: E402
 
 from kernelsearch import dispatch, ops  # noqa: E402
-from kernelsearch.integrations.transformers import patch, patched_report, unpatch  # noqa: E402
+from kernelsearch.integrations.transformers import (HwtuneDecoderLayer, decode_shapes, patch,  # noqa: E402
+                                                    patched_report, unpatch)
 
 from conftest import ROOT  # noqa: E402
 
@@ -87,10 +88,11 @@ def test_patched_logits_match_unpatched_for_prefill_and_static_cache_decode_step
     ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
     want = prefill_and_decode(model, ids)
     table = counting_table()
-    report = patch(model, table, stock_through_ops=True)
+    report = patch(model, table, stock_through_ops=True, fused=False)   # issue 12's patch
     assert report.stock == []
     assert report.patched == {"rms_norm": 5 + (4 if name == "Qwen3" else 0), "mlp": 2, "attention": 2,
                               "lm_head": 1}
+    assert not any(isinstance(layer, HwtuneDecoderLayer) for layer in model.model.layers)
     got = prefill_and_decode(model, ids)
     for step, (w, g) in enumerate(zip(want, got)):
         assert rel_err(w, g) < TOL[dtype], (step, rel_err(w, g))
@@ -163,7 +165,7 @@ def test_patched_decode_step_compiles_with_fullgraph_and_matches(name):
     model = tiny_model(name)
     ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(4))
     want = prefill_and_decode(model, ids)
-    patch(model, counting_table(), stock_through_ops=True)
+    patch(model, counting_table(), stock_through_ops=True, fused=False)
     seen = []
 
     def backend(gm, example_inputs):

@@ -34,6 +34,10 @@ def _cases():
         # qkv [B, Hq + 2 Hkv, D], cos/sin [B, D], positions, caches [B, Hkv, S, D]
         "rope_kv_write": (r(2, 8, 16), r(2, 16), r(2, 16), torch.tensor([7, 2]), r(2, 2, 10, 16),
                           r(2, 2, 10, 16)),
+        # the fused decode kernels: x [..., K], norm_weight [K], weight [N, K] (gate|up: [2I, K])
+        "rms_norm_linear": (r(2, 3, 64), r(64), r(40, 64), 1e-5),
+        "rms_norm_gate_up_swiglu": (r(2, 3, 64), r(64), r(48, 64), 1e-6),
+        "linear_residual": (r(2, 3, 64), r(40, 64), r(2, 3, 40)),
     }
 
 
@@ -56,6 +60,16 @@ def _stock(name, args):
         rot = lambda x: torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), -1)
         c, s = cos.unsqueeze(2), sin.unsqueeze(2)
         return q * c + rot(q) * s, k * c + rot(k) * s
+    if name == "rms_norm_linear":
+        x, nw, w, eps = args
+        return F.linear(F.rms_norm(x, (x.shape[-1],), nw, eps), w)
+    if name == "rms_norm_gate_up_swiglu":
+        x, nw, w, eps = args
+        g, u = F.linear(F.rms_norm(x, (x.shape[-1],), nw, eps), w).chunk(2, dim=-1)
+        return F.silu(g) * u
+    if name == "linear_residual":
+        x, w, res = args
+        return res + F.linear(x, w)
     if name == "rope_kv_write":   # apply_rotary_pos_emb, then StaticCache's index_copy_ per row
         qkv, cos, sin, pos, kc, vc = args
         rot = lambda x: torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), -1)
@@ -127,7 +141,11 @@ def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
         q2, k2 = torch.ops.hwtune.rope(q, k, cos, sin)
         a = torch.ops.hwtune.decode_attention(q2[:, 0], kc, vc, lens, 0.25)
         q3 = torch.ops.hwtune.rope_kv_write(qkv, cs, sn, pos, kc2, vc2)
-        return y + res[..., :48].sum(), a, q3
+        # a decoder layer's fused path: norm + projection, residual epilogue, norm + gate|up + SwiGLU
+        z = torch.ops.hwtune.rms_norm_linear(res, w, gate_up_w, 1e-6)
+        z = torch.ops.hwtune.linear_residual(z, gate_up_w, res)
+        z = torch.ops.hwtune.rms_norm_gate_up_swiglu(z, w, gate_up_w, 1e-6)
+        return y + res[..., :48].sum() + z.sum(), a, q3
 
     x, w = cases["rms_norm"][:2]
     args = (x, w, torch.randn(48, 32), torch.randn(64, 64), *cases["rope"],
@@ -153,6 +171,39 @@ def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
     for a, b in zip(aot_args[-2:] + compiled_args[-2:], eager_args[-2:] * 2):
         assert torch.equal(a, b)
     assert not torch.equal(aot_args[-2], args[-2])
+
+
+@pytest.mark.parametrize("name", ["rms_norm_linear", "rms_norm_gate_up_swiglu", "linear_residual"])
+def test_fused_op_fake_gives_the_output_shape_and_refuses_mismatched_weights(name):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _cases()[name]
+    want = _stock(name, args).shape
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        assert getattr(torch.ops.hwtune, name)(*fake).shape == want
+    bad = list(args)
+    bad[1] = torch.randn(40, 63)          # weight [N, K] with K other than x's (norm_weight: [K+1])
+    if name != "linear_residual":
+        bad[1], bad[2] = torch.randn(65), args[2]
+    with pytest.raises(ValueError, match=f"hwtune::{name}"):
+        getattr(torch.ops.hwtune, name)(*bad)
+    if name == "linear_residual":          # a residual of another shape than the output
+        with pytest.raises(ValueError, match="residual"):
+            torch.ops.hwtune.linear_residual(args[0], args[1], args[2][..., :39])
+    if name == "rms_norm_gate_up_swiglu":  # an odd row count is no gate|up pair
+        with pytest.raises(ValueError, match=r"\[2I, K\]"):
+            torch.ops.hwtune.rms_norm_gate_up_swiglu(args[0], args[1], args[2][:47], 1e-6)
+
+
+def test_linear_residual_leaves_its_residual_input_unchanged_and_routes_through_the_table():
+    x, w, res = _cases()["linear_residual"]
+    before = res.clone()
+    table = dispatch.DispatchTable.empty()
+    out = torch.ops.hwtune.linear_residual(x, w, res, ops.table_handle(table))
+    assert torch.equal(res, before) and out.data_ptr() != res.data_ptr()
+    assert torch.equal(out, res + F.linear(x, w))
+    assert table.counts == {("linear_residual", "stock"): 1}
 
 
 def test_a_table_handle_routes_through_that_table_and_counts_stock_per_shape():

@@ -12,7 +12,11 @@ of random tokens prefilled eagerly, so that the last timed step reaches the end 
   hf-eager      the model as loaded, no compile
   hf-compiled   model.forward under torch.compile(mode="reduce-overhead", fullgraph=True), the
                 path transformers documents as fast (on a CPU: backend aot_eager, no graphs)
-  hf-hwtune     kernelsearch.integrations.transformers.patch(model, table), then the same compile
+  hf-hwtune-unfused  patch(model, table, fused=False): issue 12's patch (separate norm,
+                projection and SwiGLU ops), the previous tuned step, then the same compile
+  hf-hwtune     kernelsearch.integrations.transformers.patch(model, table) with the fused decode
+                kernels (norm+qkv, o+residual, norm+gate|up+SwiGLU, down+residual) where the
+                table routes them, then the same compile
   hf-liger      liger_kernel's apply_liger_kernel_to_llama(model=...) (rope, rms_norm, swiglu;
                 no loss kernels: the bench needs the logits), then the same compile; undone after
 Each mode: `--check` greedy steps whose logits are kept, fed hf eager's tokens (teacher-forced,
@@ -41,9 +45,11 @@ from daemon.bench.model import ModelConfig
 from daemon.bench.run import decode_floor, energy_window, log, measure_copy_bandwidth_gbs, time_steps
 
 MODEL = "hf-llama"
-VARIANTS = ("hf-eager", "hf-compiled", "hf-hwtune", "hf-liger")
+VARIANTS = ("hf-eager", "hf-compiled", "hf-hwtune-unfused", "hf-hwtune", "hf-liger")
 LABELS = {"hf-eager": "hf eager", "hf-compiled": "hf compiled",
-          "hf-hwtune": "hwtune patched + compiled", "hf-liger": "liger + compiled"}
+          "hf-hwtune-unfused": "hwtune unfused + compiled", "hf-hwtune": "hwtune patched + compiled",
+          "hf-liger": "liger + compiled"}
+HWTUNE = {"hf-hwtune-unfused": False, "hf-hwtune": True}   # variant -> patch(..., fused=)
 TOLERANCE = 5e-2   # of max |logit|: bf16 noise over a few layers, far below a wrong kernel
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -357,18 +363,19 @@ class HfBench:
                    "tolerance": TOLERANCE}
         if not cuda:
             section["note"] = INTERPRETER_NOTE
-        if "hf-hwtune" in o.variants:
+        hwtune_rows = bool(set(HWTUNE) & set(o.variants))
+        if hwtune_rows:
             table, note, searched = resolve_table(o, config, self.left_s())
             section["kernel_table"] = {"path": str(o.table_path) if o.table_path else None,
                                        "loaded": table is not None, "note": note, "search": searched}
-            log(f"hf-llama: kernels for hf-hwtune: {note}")
+            log(f"hf-llama: kernels for {', '.join(v for v in HWTUNE if v in o.variants)}: {note}")
         liger_skip = liger_problem() if "hf-liger" in o.variants else None
         rows = []
         for batch, ctx in o.shapes:
             floor = decode_floor(fcfg, batch, ctx, dtype_bytes, self.copy_gbs)
             section["floors"].append(floor)
             try:
-                rows += self._shape(model, batch, ctx, floor, table if "hf-hwtune" in o.variants else None,
+                rows += self._shape(model, batch, ctx, floor, table if hwtune_rows else None,
                                     section, liger_skip, patch, unpatch)
             except Exception as exc:   # e.g. out of memory at this shape: the others still run
                 log(f"hf-llama {batch}x{ctx} failed: {type(exc).__name__}: {exc}")
@@ -406,12 +413,14 @@ class HfBench:
             undo = None
             t_start = time.monotonic()
             try:
-                if mode == "hf-hwtune":
+                if mode in HWTUNE:
                     if table is not None:
                         table.counts.clear()
-                    report = patch(model, table)
+                    report = patch(model, table, fused=HWTUNE[mode])
                     row["patch_report"] = report.lines()
-                    section["patch_reports"][f"{batch}x{ctx}"] = report.lines()
+                    row["patched"] = dict(report.patched)
+                    key = f"{batch}x{ctx}" if mode == "hf-hwtune" else f"{batch}x{ctx} {mode}"
+                    section["patch_reports"][key] = report.lines()
                     undo = lambda: unpatch(model)  # noqa: E731
                 elif mode == "hf-liger":
                     if liger_skip:
@@ -434,7 +443,7 @@ class HfBench:
                     res = run_mode(model, mode, o, prompt, forced, self.reader, fullgraph=False)
                     row["note"] = "compiled with fullgraph=False (graph breaks allowed)"
                 results[mode] = res
-                if mode == "hf-hwtune" and table is not None:
+                if mode in HWTUNE and table is not None:
                     # op calls by route while the mode ran (traced, eager prefill, steps); under
                     # CUDA graphs a replay calls nothing: the routes are those of the captures
                     row["table_routes"] = {f"{k}:{r}": n for (k, r), n in sorted(table.counts.items())}
@@ -466,6 +475,7 @@ class HfBench:
             rows[mode] = row
         ref = results.get("hf-eager")
         compiled = rows.get("hf-compiled", {}).get("step_ms")
+        unfused = rows.get("hf-hwtune-unfused", {}).get("step_ms")
         for mode, row in rows.items():
             res = results.get(mode)
             if res is not None and ref is not None and res["checked"]:
@@ -478,12 +488,15 @@ class HfBench:
                     row["warning"] = f"logits differ from hf eager beyond {TOLERANCE:g} of max |logit|"
             if compiled and row.get("step_ms"):
                 row["speedup_vs_hf_compiled"] = compiled / row["step_ms"]
+            if mode == "hf-hwtune" and unfused and row.get("step_ms"):
+                # the fused kernels against the previous tuned step (issue 12's patch), same run
+                row["speedup_vs_hwtune_unfused"] = unfused / row["step_ms"]
             if row["status"] == "ok":
                 tj = f"{row['tokens_per_j']:.1f} tok/J" if row.get("tokens_per_j") else "no energy"
-                log(f"hf-llama {mode:11s} B={batch:<3d} ctx={ctx:<5d} {row['step_ms']:.3f} ms "
+                log(f"hf-llama {mode:17s} B={batch:<3d} ctx={ctx:<5d} {row['step_ms']:.3f} ms "
                     f"{row['tokens_per_s']:.0f} tok/s {tj} (decode err {row.get('decode_err_vs_hf_eager', 0):.1e})")
             else:
-                log(f"hf-llama {mode:11s} B={batch:<3d} ctx={ctx:<5d} {row['status']}")
+                log(f"hf-llama {mode:17s} B={batch:<3d} ctx={ctx:<5d} {row['status']}")
         return [rows[m] for m in modes if m in o.variants]
 
 
@@ -511,6 +524,10 @@ def format_lines(doc: dict) -> list[str]:
             f"{(fmt(r.get('speedup_vs_hf_compiled'), '.2f') + 'x') if r.get('speedup_vs_hf_compiled') else '-':>14s} "
             f"{fmt(r.get('prefill_err_vs_hf_eager'), '.2e'):>11s} {fmt(r.get('decode_err_vs_hf_eager'), '.2e'):>10s} "
             f"{(format(same, '.0%') if same is not None else '-'):>8s}  {r.get('status', '')[:70]}")
+    for r in doc.get("decode", []):
+        if r.get("model") == MODEL and r.get("speedup_vs_hwtune_unfused"):
+            lines.append(f"hwtune fused vs unfused (the previous tuned step) {r['batch']}x{r['ctx']}: "
+                         f"{r['speedup_vs_hwtune_unfused']:.2f}x")
     table = hf.get("kernel_table")
     if table:
         lines.append(f"hwtune kernels: {table.get('note')}")

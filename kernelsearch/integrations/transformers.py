@@ -22,7 +22,15 @@ of the model changes:
   full-attention layer, an SDPA or eager mask) hwtune::decode_attention over the whole static
   cache with each sequence's valid length read from the mask; anywhere else (prefill, other
   caches) the model's own attention function; o_proj through hwtune::linear;
-- lm_head -> hwtune::linear.
+- lm_head -> hwtune::linear;
+- with `fused=True` (the default), each decoder layer whose norms, attention and MLP were all
+  patched -> HwtuneDecoderLayer where the table routes a fused kernel for it: input_layernorm +
+  q|k|v -> hwtune::rms_norm_linear (bias added after; Qwen3's q_norm / k_norm still after the
+  projection), o_proj + residual add -> hwtune::linear_residual, post_attention_layernorm +
+  gate|up + SwiGLU -> hwtune::rms_norm_gate_up_swiglu (not with MLP biases), down_proj + residual
+  add -> hwtune::linear_residual. Each part on its own, per shape: where its fused kernel is not
+  routed, that part runs the unfused path above. `fused=False`: the unfused patch only (issue
+  12's, the previous tuned step). PatchReport.patched counts the layers per fused part.
 Routing is per shape and read from the dispatch table once, at patch time: a call whose shape
 has a tuned, verified kernel for this device goes through the hwtune op (which runs it); any
 other call runs the model's own code (the fused projections stay one GEMM), which
@@ -43,6 +51,9 @@ checks the mask and runs the model's own attention when a row is padded; under t
 (no host sync) such a row's output is NaN instead of silently wrong.
 
 Inference only: hwtune's ops have no backward; a module in training mode runs the original.
+Not recorded: output_attentions / output_hidden_states (transformers 5 records them with hooks on
+its own attention and decoder-layer classes, which the patched modules are not): a patched
+attention gives no attentions, and with fused layers no per-layer hidden states come back.
 """
 from __future__ import annotations
 
@@ -214,13 +225,15 @@ class HwtuneMLP(nn.Module):
     def forward(self, x):
         if self.training:
             return self._hwtune_original[0](x)
+        return self._down(self.activate(x), self.down_proj.weight, self.down_proj.bias)
+
+    def activate(self, x):
+        """silu(gate(x)) * up(x): the fused gate|up projection, then SwiGLU (what goes into down)."""
         gate_up = self._gate_up(x, self.gate_up_weight, self.gate_up_bias)
         if _uses(self._swiglu, _rows(gate_up)):
-            h = torch.ops.hwtune.swiglu(gate_up, self.table)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = self.act_fn(gate) * up
-        return self._down(h, self.down_proj.weight, self.down_proj.bias)
+            return torch.ops.hwtune.swiglu(gate_up, self.table)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
 
 
 class HwtuneAttention(nn.Module):
@@ -265,9 +278,20 @@ class HwtuneAttention(nn.Module):
             return self._hwtune_original[0](hidden_states, position_embeddings, attention_mask,
                                             **{self._cache_kwarg: cache}, **kwargs)
         cache_position = kwargs.pop("cache_position", None)   # transformers 4.x passes it
-        bsz, q_len = hidden_states.shape[:2]
+        out = self.attend(self.project(hidden_states), position_embeddings, attention_mask, cache,
+                          cache_position, kwargs)
+        return self._o(out, self.o_proj.weight, self.o_proj.bias), None
+
+    def project(self, hidden_states):
+        """The fused q|k|v projection (bias included) of the normalised hidden states."""
+        return self._qkv(hidden_states, self.qkv_weight, self.qkv_bias)
+
+    def attend(self, qkv, position_embeddings, attention_mask, cache, cache_position, kwargs):
+        """Everything between the q|k|v projection and o_proj: qkv [B, T, (Hq + 2 Hkv) D] ->
+        the attention output [B, T, Hq D] that o_proj takes (q_norm / k_norm, RoPE, the cache
+        write, decode or the model's attention)."""
+        bsz, q_len = qkv.shape[:2]
         d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
-        qkv = self._qkv(hidden_states, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q, k, v = q.view(bsz, q_len, hq, d), k.view(bsz, q_len, hkv, d), v.view(bsz, q_len, hkv, d)
         if self.q_norm is not None:
@@ -306,8 +330,7 @@ class HwtuneAttention(nn.Module):
             out = self._decode(q[:, 0], keys, values, attention_mask, cache, cache_position)
         if out is None:
             out = self._model_attention(q.transpose(1, 2), keys, values, attention_mask, kwargs)
-        out = out.reshape(bsz, q_len, hq * d)
-        return self._o(out, self.o_proj.weight, self.o_proj.bias), None
+        return out.reshape(bsz, q_len, hq * d)
 
     def _kv_write_layer(self, cache, qkv, cos, cache_position):
         """The StaticCache layer hwtune::rope_kv_write writes into at this one-token step, or
@@ -380,6 +403,124 @@ class HwtuneAttention(nn.Module):
             fn = ALL_ATTENTION_FUNCTIONS[impl]
         out, _ = fn(self, q, keys, values, mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return out
+
+
+# The four fused parts of a decoder layer: PatchReport.patched key -> the kernel it runs.
+FUSED_PARTS = {"fused norm+qkv": "rmsnorm_linear", "fused o+residual": "linear_residual",
+               "fused norm+gate_up+swiglu": "rmsnorm_gate_up_swiglu", "fused down+residual": "linear_residual"}
+DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+
+
+class HwtuneDecoderLayer(nn.Module):
+    """A Llama-family decoder layer (norm, attention, residual add, norm, MLP, residual add) whose
+    patched norms, attention and MLP are called with up to four fused kernels, each where the table
+    routes it for the call's rows (M = batch x tokens):
+      input_layernorm + q|k|v projection       -> hwtune::rms_norm_linear (q|k|v bias added after)
+      o_proj + the residual add                -> hwtune::linear_residual (o_proj bias in the residual)
+      post_attention_layernorm + gate|up + SwiGLU -> hwtune::rms_norm_gate_up_swiglu (no MLP bias)
+      down_proj + the residual add             -> hwtune::linear_residual (down_proj bias likewise)
+    A part not routed for a shape runs the unfused patched path (HwtuneRMSNorm, the fused
+    projections, hwtune::swiglu, each where routed, else the model's own code). The children are
+    the original layer's (already patched) modules, under the same names."""
+
+    def __init__(self, original: nn.Module, routes: _Routes):
+        super().__init__()
+        for name, value in vars(original).items():   # hidden_size, attention_type, ...
+            if not name.startswith("_") and name != "training":
+                setattr(self, name, value)
+        for name, child in original.named_children():   # the original's order: same state_dict keys
+            setattr(self, name, child)
+        attn, mlp = self.self_attn, self.mlp
+        dtype = attn.qkv_weight.dtype
+        hidden = attn.qkv_weight.shape[1]
+        norms_ok = all(n.weight.dtype == dtype for n in (self.input_layernorm, self.post_attention_layernorm))
+        none = frozenset()
+        self.table = routes.handle
+        self._norm_qkv = routes.tuned("rmsnorm_linear", dtype, {"K": hidden, "N": attn.qkv_weight.shape[0]},
+                                      ("M",)) if norms_ok else none
+        o = attn.o_proj
+        self._o_residual = routes.tuned("linear_residual", dtype, {"K": o.in_features, "N": o.out_features},
+                                        ("M",))
+        # the fused kernel's epilogue is SwiGLU on the bare product: no room for a gate|up bias
+        self._norm_gate_up = routes.tuned("rmsnorm_gate_up_swiglu", dtype,
+                                          {"K": hidden, "I": mlp.gate_proj.out_features}, ("M",)) \
+            if norms_ok and mlp.gate_up_bias is None else none
+        down = mlp.down_proj
+        self._down_residual = routes.tuned("linear_residual", dtype,
+                                           {"K": down.in_features, "N": down.out_features}, ("M",))
+        # transformers >= 5.24 names the cache argument `cache`, earlier versions `past_key_values`
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(original.forward).parameters \
+            else "past_key_values"
+        self._hwtune_original = [original]
+
+    def parts(self) -> dict:
+        """PatchReport.patched key -> routed for some shape (True) or for none (False)."""
+        tuned = (self._norm_qkv, self._o_residual, self._norm_gate_up, self._down_residual)
+        return {part: t is None or bool(t) for part, t in zip(FUSED_PARTS, tuned)}
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, cache_position=None, position_embeddings=None, cache=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        attn, mlp = self.self_attn, self.mlp
+        if self.training or position_embeddings is None or hidden_states.dtype != attn.qkv_weight.dtype:
+            extra = {} if cache_position is None else {"cache_position": cache_position}
+            return self._hwtune_original[0](hidden_states, attention_mask=attention_mask,
+                                            position_ids=position_ids, use_cache=use_cache,
+                                            position_embeddings=position_embeddings,
+                                            **{self._cache_kwarg: cache}, **extra, **kwargs)
+        rows = _rows(hidden_states)
+        residual = hidden_states
+        norm = self.input_layernorm
+        if _uses(self._norm_qkv, rows):
+            qkv = torch.ops.hwtune.rms_norm_linear(hidden_states, norm.weight, attn.qkv_weight,
+                                                   norm.variance_epsilon, self.table)
+            if attn.qkv_bias is not None:
+                qkv = qkv + attn.qkv_bias
+        else:
+            qkv = attn.project(norm(hidden_states))
+        # what the original layer hands its attention besides the cache (flash attention reads
+        # position_ids)
+        out = attn.attend(qkv, position_embeddings, attention_mask, cache, cache_position,
+                          {"position_ids": position_ids, "use_cache": use_cache, **kwargs})
+        hidden_states = self._plus_linear(self._o_residual, out, attn.o_proj, attn._o, residual)
+        residual = hidden_states
+        norm = self.post_attention_layernorm
+        if _uses(self._norm_gate_up, rows):
+            h = torch.ops.hwtune.rms_norm_gate_up_swiglu(hidden_states, norm.weight, mlp.gate_up_weight,
+                                                         norm.variance_epsilon, self.table)
+        else:
+            h = mlp.activate(norm(hidden_states))
+        return self._plus_linear(self._down_residual, h, mlp.down_proj, mlp._down, residual)
+
+    def _plus_linear(self, tuned, x, linear, projection, residual):
+        """residual + linear(x): hwtune::linear_residual where routed (a bias joins the residual,
+        the product is added to it once in fp32), else the projection, then the add."""
+        if _uses(tuned, _rows(x)):
+            base = residual if linear.bias is None else residual + linear.bias
+            return torch.ops.hwtune.linear_residual(x, linear.weight, base, self.table)
+        return residual + projection(x, linear.weight, linear.bias)
+
+
+def _fused_layer_problem(layer) -> str | None:
+    """Why this decoder layer cannot run the fused kernels, or None."""
+    kind = type(layer).__name__
+    if kind not in DECODER_LAYERS:
+        return f"{kind} is not a decoder layer hwtune fuses ({', '.join(DECODER_LAYERS)})"
+    children = {name for name, _ in layer.named_children()}
+    if children != LAYER_CHILDREN:
+        return f"{kind} has submodules {sorted(children)}, not exactly {sorted(LAYER_CHILDREN)}"
+    if "output_attentions" in inspect.signature(layer.forward).parameters:
+        return f"this transformers' {kind} returns a tuple (output_attentions): hwtune's layer returns " \
+               "the hidden states as transformers 5 does"
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        if not isinstance(getattr(layer, name), HwtuneRMSNorm):
+            return f"{name} is {type(getattr(layer, name)).__name__}, not a plain RMSNorm"
+    if not isinstance(layer.self_attn, HwtuneAttention):
+        return "its attention stays the model's own (see above)"
+    if not isinstance(layer.mlp, HwtuneMLP):
+        return "its MLP stays the model's own (see above)"
+    return None
 
 
 def _fuse(linears: list, shared: list):
@@ -469,13 +610,16 @@ def _is_attention(module) -> bool:
 
 # --- patch / unpatch -------------------------------------------------------------------------
 def patch(model, table: dispatch.DispatchTable | None = None, *,
-          stock_through_ops: bool = False) -> PatchReport:
+          stock_through_ops: bool = False, fused: bool = True) -> PatchReport:
     """Swap the model's norms, MLPs, attention and lm_head for hwtune's in place (see the
     module docstring). `table`: the dispatch table to route through; None: the one set by
     kernelsearch.dispatch.use(). The table's entries are read now: a call whose shape has a
     tuned entry for this device goes through hwtune's op, any other runs the model's own code
     (fused projections still one GEMM) unless `stock_through_ops`, where every call goes through
-    the ops and they run stock inside. Returns what was patched and one line per part left
+    the ops and they run stock inside. `fused`: also swap each decoder layer for an
+    HwtuneDecoderLayer where the table routes one of the fused kernels (rmsnorm_linear,
+    linear_residual, rmsnorm_gate_up_swiglu) for it; False: exactly issue 12's patch (the
+    separate norm / projection / SwiGLU ops). Returns what was patched and one line per part left
     stock."""
     if getattr(model, "_hwtune_patch", None) is not None:
         raise ValueError("model is already patched by hwtune: unpatch(model) first")
@@ -536,7 +680,8 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
         new.train(original.training)   # a new module starts in training mode
         record.swaps.append((parent, name, original))
         setattr(parent, name, new)
-        report.patched[part] = report.patched.get(part, 0) + 1
+        if part is not None:
+            report.patched[part] = report.patched.get(part, 0) + 1
 
     skipped = {}
     for i, layer in enumerate(layers):
@@ -563,6 +708,27 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
                                                      guards_padding=first), "attention")
         else:
             skipped.setdefault("layers.*.self_attn", type(attn).__name__)
+    # the fused kernels, where the table routes any of them (or every shape goes through the ops)
+    fused_kernels = set(FUSED_PARTS.values())
+    if fused and (stock_through_ops or any(e.kernel in fused_kernels for e in entries)):
+        not_fused: dict[str, list[int]] = {}
+        for i, layer in enumerate(layers):
+            why = _fused_layer_problem(layer)
+            if why is None:
+                new = HwtuneDecoderLayer(layer, routes)
+                parts = new.parts()
+                if isinstance(layer.mlp, HwtuneMLP) and layer.mlp.gate_up_bias is not None:
+                    not_fused.setdefault("fused norm+gate_up+swiglu: the MLP has gate/up biases "
+                                         "(the kernel's SwiGLU epilogue takes none)", []).append(i)
+                if any(parts.values()):
+                    swap(model.model.layers, str(i), new, None)
+                    for part, routed in parts.items():
+                        if routed:
+                            report.patched[part] = report.patched.get(part, 0) + 1
+            else:
+                not_fused.setdefault(why, []).append(i)
+        for why, idx in not_fused.items():
+            report.stock.append(f"fused kernels in {len(idx)} of {len(layers)} layers not used: {why}")
     if _is_rms_norm(getattr(model.model, "norm", None)):
         swap(model.model, "norm", HwtuneRMSNorm(model.model.norm, routes), "rms_norm")
     head = getattr(model, "lm_head", None)
@@ -596,20 +762,24 @@ def patched_report(model) -> PatchReport | None:
 
 
 # --- the shapes a patched model looks up -----------------------------------------------------
-def decode_shapes(config, batches, context) -> dict[str, list[dict]]:
+def decode_shapes(config, batches, context, fused: bool = True) -> dict[str, list[dict]]:
     """Every (kernel, shape) a patched Llama-family model's one-token decode step on a StaticCache
     of `context` positions looks up in the table, per batch size: the keys of
     kernelsearch.dispatch.SHAPE_OF, what a search needs to cover. `batches` and `context`: an int
     or a list of ints. Qwen3's q_norm / k_norm add rmsnorm rows of head_dim (B*Hq and B*Hkv rows)
     and leave out rope_kv_write (the norms sit between the projection and RoPE). Both rope and
-    rope_kv_write are listed: the step calls rope_kv_write where it is tuned, else rope."""
+    rope_kv_write are listed: the step calls rope_kv_write where it is tuned, else rope. `fused`
+    (patch(..., fused=True)): also the fused decoder-layer kernels' shapes, rmsnorm_linear
+    {M, K, N} (input norm + q|k|v), rmsnorm_gate_up_swiglu {M, K, I} and linear_residual {M, K, N}
+    (o_proj, down_proj); the unfused shapes stay listed (the path where a fused one loses)."""
     batches = [batches] if isinstance(batches, int) else list(batches)
     contexts = [context] if isinstance(context, int) else list(context)
     h, i = config.hidden_size, config.intermediate_size
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or h // hq
     out: dict[str, list[dict]] = {k: [] for k in ("rmsnorm", "linear", "swiglu", "rope", "rope_kv_write",
-                                                  "decode_attention")}
+                                                  "decode_attention", "rmsnorm_linear",
+                                                  "rmsnorm_gate_up_swiglu", "linear_residual")}
 
     def add(kernel, shape):
         if shape not in out[kernel]:
@@ -624,6 +794,11 @@ def decode_shapes(config, batches, context) -> dict[str, list[dict]]:
         for k, n in ((h, (hq + 2 * hkv) * d), (hq * d, h), (h, 2 * i), (i, h), (h, config.vocab_size)):
             add("linear", {"M": b, "K": k, "N": n})     # qkv, o, gate|up, down, lm_head
         add("swiglu", {"M": b, "I": i})
+        if fused:
+            add("rmsnorm_linear", {"M": b, "K": h, "N": (hq + 2 * hkv) * d})
+            add("rmsnorm_gate_up_swiglu", {"M": b, "K": h, "I": i})
+            add("linear_residual", {"M": b, "K": hq * d, "N": h})    # o_proj + residual
+            add("linear_residual", {"M": b, "K": i, "N": h})         # down_proj + residual
         add("rope", {"B": b, "Hq": hq, "Hkv": hkv, "D": d})
         for s in contexts:
             if not per_head_norms:
@@ -633,4 +808,5 @@ def decode_shapes(config, batches, context) -> dict[str, list[dict]]:
 
 
 __all__ = ["patch", "unpatch", "patched_report", "PatchReport", "HwtuneRMSNorm", "HwtuneLinear",
-           "HwtuneMLP", "HwtuneAttention", "SUPPORTED", "KNOWN_ROPE", "decode_shapes"]
+           "HwtuneMLP", "HwtuneAttention", "HwtuneDecoderLayer", "FUSED_PARTS", "SUPPORTED", "KNOWN_ROPE",
+           "decode_shapes"]
