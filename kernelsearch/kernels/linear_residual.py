@@ -33,61 +33,71 @@ the interpreter's bf16 arithmetic being wrong, tl.dot operands are upcast on the
 
 Why each config (H200: 132 SMs, 64 K registers and 227 KB of shared memory an SM, ~4.3 TB/s by
 copy). Little's law: at ~0.7 us of idle DRAM latency the copy rate needs ~3 MB in flight, ~23 KB
-an SM; under full load the latency grows (queueing), and a GEMV program has nothing in flight
-while it multiplies, so the linear template's gemv (48 KB in flight an SM at its peak) reaches
-66-80% of copy at the 4096-wide projections. The 4096 x 4096 o_proj is 32 MB of bf16 weight,
-~7.8 us at copy rate: a 1 us ramp or tail is already 13%. Issue 13 asks >= 85% there at M = 1
-and M = 32, so the configs below aim at (a) more weight bytes in flight an SM (larger tiles,
-UNROLL=2), (b) a grid of programs that is one balanced round (every program resident at once:
-no second, partial round), (c) split-K where the column blocks alone would leave SMs idle or
-the loop too long (K = 14336). "tile" = weight bytes one program loads per loop iteration
-(x UNROLL); "programs" at 4096 x 4096 = N / BLOCK_N x splits; registers a thread from ptxas for
-sm_90 (triton 3.9, bf16, batch 1, tests/test_kernel_linear_residual.py compiles them), no
-spills; resident programs an SM = 65536 / (registers x threads), at most 32. The GEMV loop is
-not software-pipelined (num_stages changes nothing for gemv: its configs all say 3), so bytes in
-flight an SM = resident programs x tile.
-  R1 gemv 8x1024, 8 warps: 16 KB tile, 76 registers: 3 resident, 48 KB in flight an SM; 512
-     programs = 1.3 rounds of 396 (a 116-program second round). linear.py's G1 + the residual:
-     the baseline the others must beat.
-  R2 gemv 8x512, 4 warps: 8 KB tile, 76 registers: 6 resident, 48 KB an SM; 512 programs
-     in one round (3.9 an SM). linear.py's G2 + the residual.
-  R3 gemv 8x512, 4 warps, UNROLL=2: 16 KB tile (2 x 8 KB), 94 registers: 5 resident, 80 KB an
-     SM; 512 programs in one round of 660. (a): the same grid as R2 with 1.7x the bytes in
-     flight.
-  R4 gemv 8x1024, 8 warps, UNROLL=2: 32 KB tile, 96 registers: 2 resident, 64 KB an SM; 512
-     programs = 1.9 rounds of 264 (nearly two full rounds, a small tail).
-  R5 gemv 16x512, 8 warps, UNROLL=2: 32 KB tile, 92 registers: 2 resident, 64 KB an SM; 256
-     programs in one round of 264 (1.9 an SM): (b), half the program count and no tail; for the
-     wide N too.
-  R6 gemv 8x512, 4 warps, split 2, UNROLL=2, last: 16 KB tile, 5 resident, 80 KB an SM; 1024
-     programs (7.8 an SM, 1.6 rounds of 660) with half-length loops: (c) for K = 14336
-     (down_proj: 7 iterations of 1024 per split instead of 14); the last of the 2 adds the
-     residual.
-  R7 gemv 16x256, 4 warps, split 4, UNROLL=2, launch: 16 KB tile, 5 resident; 1024 programs,
-     K = 14336 in quarters (3584: 7 iterations); the reduce kernel (second launch, ~2 us less
-     of a tail than an arrival counter on a busy chip, or more: measured) adds the residual.
-  R8 gemv 32x256, 8 warps, split 4, last: linear.py's G5 + the residual (16 KB tile, 3 resident,
-     512 programs): K = 14336 in quarters without the unroll, for comparison.
-  Batch 32 (tl.dot, mma.sync at 32 rows; cp.async into num_stages - 1 shared-memory buffers
-  ahead, 227 KB an SM; "stage" = x and weight bytes of one K step):
-  D1 splitk 32x32x256, split 4, 3 stages: 32 KB a stage, 64 KB = 3 programs an SM, 2 stages
-     ahead = 192 KB an SM in flight; 512 programs = 1.3 rounds. linear.py's D2, its first
-     guess for batch 32.
-  D2 splitk 32x32x256, split 8, 3 stages, last: as D1 with 1024 programs (2.6 rounds of 396:
-     the tail is a smaller share) and 512-long splits at 4096 (1792 at 14336).
-  D3 splitk 32x64x256, split 4, 4 stages: 48 KB a stage, 192 KB = 1 program an SM with 3
-     stages (144 KB) in flight; 256 programs = 1.9 rounds of 132. (a) with the deepest pipe.
-  D4 splitk 32x32x128, split 4, 4 stages: 16 KB a stage, 64 KB = 3 an SM, 3 ahead = 144 KB;
-     512 programs (linear.py's D4).
-  D5 splitk 32x64x128, split 8, 4 stages, launch: 24 KB a stage, 96 KB = 2 an SM, 144 KB in
+an SM; under full load the latency grows (queueing), and a register-loading GEMV program has
+nothing in flight while it multiplies. The 4096 x 4096 o_proj is 32 MB of bf16 weight, ~7.8 us
+at copy rate, so a 1 us ramp or a partial last round is already 13%: linear.py's gemv (48 KB in
+flight an SM at its peak, 512 programs in 1.3 rounds) reaches 66-80% of copy there. Issue 13
+asks >= 85% at M = 1 and M = 32. What limits a register-loading GEMV is the register file: the
+loaded tile lands in registers next to its fp32 accumulator (twice the tile's bytes), so about a
+third of the 256 KB register file is in flight at best (48-64 KB an SM whatever the tile;
+UNROLL=2 only moves the ratio to a half, at 125 registers a thread). Hence PIPE=1: the main loop
+is a tl.range with num_stages, which triton 3.9 software-pipelines for sm_90 (16-byte cp.async
+into num_stages - 1 shared-memory buffers ahead; without tl.range the compiler leaves a loop
+without tl.dot unpipelined, which is why linear.py's gemv ignores num_stages), so bytes in
+flight come from the 227 KB of shared memory and stay in flight while the program multiplies.
+(The weight's cp.async keep evict_first as an L2 cache policy; x, an eighth of the bytes and
+from L2, goes 8 bytes a thread at BLOCK_K = 512, 4 warps.) The other levers: a grid that is one balanced round (every program
+resident at once, no partial second round), and split-K where the loop is long (K = 14336).
+"tile" = weight bytes one program loads per step (x UNROLL); "programs" at 4096 x 4096 = N /
+BLOCK_N x splits; registers a thread and shared memory from triton 3.9 + ptxas for sm_90 (bf16,
+batch 1; tests/test_kernel_linear_residual.py compiles them), no spills; resident programs an SM
+= min(65536 / (registers rounded up to 8 x threads), 227 KB / shared memory); bytes in flight an
+SM = resident x tile (PIPE=0: the loads of one step, issued together) or resident x
+(num_stages - 1) x tile (PIPE=1).
+  R1 gemv 8x1024, 8 warps: 16 KB tile, 80 registers: 3 resident, 48 KB an SM; 512 programs =
+     1.3 rounds of 396. linear.py's G1 + the residual: the baseline the others must beat.
+  R3 gemv 8x512, 4 warps, UNROLL=2: 2 x 8 KB, 126 registers: 4 resident, 64 KB; 512 programs in
+     one round of 528: the register-only way to more bytes in flight.
+  P1 gemv 8x512, 4 warps, PIPE, 4 stages: 8 KB tile, 79 registers, 27 KB shared: 6 resident,
+     3 tiles ahead = 144 KB an SM; 512 programs in one round of 792. The first guess for >= 85%.
+  P2 gemv 8x512, 4 warps, PIPE, 5 stages: 36 KB shared, 6 resident, 4 ahead = 192 KB an SM.
+  P3 gemv 8x256, 4 warps, PIPE, 6 stages: 4 KB tile, 52 registers, 23 KB shared: 9 resident, 5
+     ahead = 180 KB an SM; 512 programs in one round of 1188; 16 steps at K = 4096 (the
+     pipeline's prologue and drain a smaller share of each program).
+  P5 gemv 8x512, 4 warps, PIPE, 4 stages, split 2, last: as P1 (80 registers, 144 KB an SM) with
+     1024 programs (1.3 rounds): for K = 14336 (down_proj, 14 steps a split instead of 28);
+     the last of the 2 adds the residual.
+  P6 gemv 16x256, 4 warps, PIPE, 4 stages, split 4, launch: 8 KB tile, 78 registers, 26 KB
+     shared: 6 resident, 144 KB; 1024 programs at 4096, K = 14336 in 3584-long quarters; the
+     reduce kernel (a second launch instead of the arrival counter: measured) adds the residual.
+  Batch 32 (tl.dot, mma.sync at 32 rows; the compiler pipelines these loops itself: cp.async
+  into num_stages - 1 buffers, "stage" = the x and weight bytes of one step; at batch 1 they
+  also run, 15 of 16 mma rows wasted, with the same shared-memory pipeline):
+  D6 splitk 32x32x256, one split, 3 stages: 32 KB a stage, 64 KB shared = 3 programs an SM, 192
+     KB in flight an SM; no workspace, the program adds the residual; 128 programs at 4096
+     (too few), for the N >= 14336 a model may bring.
+  D1 splitk 32x32x256, split 4, 3 stages: as D6 (96 registers), 512 programs = 1.3 rounds of
+     396. linear.py's D2, its first guess for batch 32.
+  D2 splitk 32x32x256, split 8, 3 stages, last: as D1 with 1024 programs (2.6 rounds: the last
+     partial round a smaller share), 512-long splits at 4096.
+  D3 splitk 32x64x256, split 4, 4 stages: 48 KB a stage, 144 KB shared = 1 program an SM, 144
+     KB in flight; 256 programs = 1.9 rounds of 132: the deepest pipe a program.
+  D4 splitk 32x32x128, split 4, 4 stages: 16 KB a stage, 48 KB = 4 an SM, 192 KB in flight; 512
+     programs in one round of 528 (linear.py's D4).
+  D5 splitk 32x64x128, split 8, 4 stages, launch: 24 KB a stage, 72 KB = 3 an SM, 216 KB in
      flight; 512 programs; the reduce kernel adds the residual.
-  D6 splitk 32x32x256, one split, 3 stages: no workspace, the program adds the residual; 128
-     programs at 4096 (too few), for N >= 14336 if a spec shape ever asks.
+  D7 splitk 32x32x128, split 8, 4 stages: as D4 with 1024 programs (1.9 rounds of 528) and
+     512-long splits at 4096.
+  (Left out after reading ptxas: gemv 8x1024 at 4 warps with UNROLL=2 (144 registers) or 16x512
+  at 4 warps (167; 239 with UNROLL=2): too few programs resident. linear.py's G2 and G5 remain
+  points of SPACE for a search that wants them.)
 Order: the grid strategy walks the template's domain in SPACE order (kernelsearch.proposers:
 params sorted by name, so BLOCK_K outermost, listed descending, then BLOCK_M ascending: 8 is
-gemv, 32 splitk, then BLOCK_N, REDUCE, SPLIT_K, UNROLL, ...) and under a budget B takes B points
-evenly spread over it. CONFIGS is listed in that same order (the test holds it): the gemv
-block first (BLOCK_K >= 256), then the batch-32 block, so any B >= 2 samples both.
+gemv, 32 splitk, then BLOCK_N, PIPE, REDUCE, SPLIT_K, UNROLL, num_stages, num_warps) and under a
+budget B takes B points evenly spread over it. CONFIGS is listed in that order (the test holds
+it): the gemv block first (BLOCK_K >= 256), then the batch-32 block, as many of each (7), so
+any B >= 2 samples both and B >= 6 at least 3 of each; CONFIGS[0] (check-kernel's default) is
+R1.
 """
 from __future__ import annotations
 
@@ -102,8 +112,9 @@ SPACE = {
     "BLOCK_K": [1024, 512, 256, 128, 64, 32],  # descending: see "Order" in the docstring
     "SPLIT_K": [1, 2, 4, 8, 16],
     "UNROLL": [1, 2],                  # gemv: K steps loaded together per loop iteration
+    "PIPE": [0, 1],                    # gemv: the main loop pipelined over num_stages (cp.async)
     "num_warps": [4, 8],
-    "num_stages": [2, 3, 4],
+    "num_stages": [2, 3, 4, 5, 6],
     "REDUCE": ["last", "launch"],      # split-K: the last-arriving program, or a second kernel
 }
 
@@ -114,37 +125,41 @@ GEMV_MAX_ROWS = 8                      # gemv: BLOCK_M is a cap; more rows go to
 
 def _valid(p: dict) -> bool:
     if p["variant"] == "gemv":
-        return (p["BLOCK_M"] == GEMV_MAX_ROWS and p["BLOCK_K"] >= 64
+        # PIPE: num_stages - 1 buffers of the step's weight and x tiles (bf16)
+        smem = ((p["BLOCK_N"] + p["BLOCK_M"]) * p["BLOCK_K"] * p["UNROLL"] * 2
+                * (p["num_stages"] - 1) if p["PIPE"] else 0)
+        return (p["BLOCK_M"] == GEMV_MAX_ROWS and p["BLOCK_K"] >= 64 and smem <= SMEM_LIMIT_BYTES
                 and p["BLOCK_N"] * p["BLOCK_K"] <= GEMV_ACC_PER_WARP * p["num_warps"])
     smem = (p["BLOCK_M"] * p["BLOCK_K"] + p["BLOCK_K"] * p["BLOCK_N"]) * 2 * p["num_stages"]
-    return (p["BLOCK_M"] >= 16 and p["BLOCK_K"] >= 64 and p["UNROLL"] == 1
+    return (p["BLOCK_M"] >= 16 and p["BLOCK_K"] >= 64 and p["UNROLL"] == 1 and not p["PIPE"]
             and smem <= SMEM_LIMIT_BYTES)
 
 
-def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last", unroll=1):
+def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last", unroll=1, pipe=0):
     return {"variant": variant, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk,
-            "UNROLL": unroll, "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
+            "UNROLL": unroll, "PIPE": pipe, "num_warps": warps, "num_stages": stages,
+            "REDUCE": reduce}
 
 
 # Curated, not the product of SPACE; the docstring says why each entry is here. Listed in the
-# order the grid strategy walks them (SPACE order), not R1..R8, D1..D6.
+# order the grid strategy walks them (SPACE order), not by the docstring's names.
 CONFIGS = [
     # batch 1-8: the GEMV (rows per program = next power of two of M, at most 8)
-    _cfg("gemv", 8, 8, 1024, 1, 8, 3),                         # R1
-    _cfg("gemv", 8, 8, 1024, 1, 8, 3, unroll=2),               # R4
-    _cfg("gemv", 8, 8, 512, 1, 4, 3),                          # R2
-    _cfg("gemv", 8, 8, 512, 1, 4, 3, unroll=2),                # R3
-    _cfg("gemv", 8, 8, 512, 2, 4, 3, unroll=2),                # R6
-    _cfg("gemv", 8, 16, 512, 1, 8, 3, unroll=2),               # R5
-    _cfg("gemv", 8, 16, 256, 4, 4, 3, "launch", unroll=2),     # R7
-    _cfg("gemv", 8, 32, 256, 4, 8, 3),                         # R8
+    _cfg("gemv", 8, 8, 1024, 1, 8, 3),                          # R1
+    _cfg("gemv", 8, 8, 512, 1, 4, 3, unroll=2),                 # R3
+    _cfg("gemv", 8, 8, 512, 1, 4, 4, pipe=1),                   # P1
+    _cfg("gemv", 8, 8, 512, 1, 4, 5, pipe=1),                   # P2
+    _cfg("gemv", 8, 8, 512, 2, 4, 4, pipe=1),                   # P5
+    _cfg("gemv", 8, 8, 256, 1, 4, 6, pipe=1),                   # P3
+    _cfg("gemv", 8, 16, 256, 4, 4, 4, "launch", pipe=1),        # P6
     # batch 9-64: tl.dot with all 32 rows in one program (the weight is streamed once)
-    _cfg("splitk", 32, 32, 256, 1, 4, 3),                      # D6
-    _cfg("splitk", 32, 32, 256, 4, 4, 3),                      # D1
-    _cfg("splitk", 32, 32, 256, 8, 4, 3),                      # D2
-    _cfg("splitk", 32, 64, 256, 4, 4, 4),                      # D3
-    _cfg("splitk", 32, 32, 128, 4, 4, 4),                      # D4
-    _cfg("splitk", 32, 64, 128, 8, 4, 4, "launch"),            # D5
+    _cfg("splitk", 32, 32, 256, 1, 4, 3),                       # D6
+    _cfg("splitk", 32, 32, 256, 4, 4, 3),                       # D1
+    _cfg("splitk", 32, 32, 256, 8, 4, 3),                       # D2
+    _cfg("splitk", 32, 64, 256, 4, 4, 4),                       # D3
+    _cfg("splitk", 32, 32, 128, 4, 4, 4),                       # D4
+    _cfg("splitk", 32, 32, 128, 8, 4, 4),                       # D7
+    _cfg("splitk", 32, 64, 128, 8, 4, 4, "launch"),             # D5
 ]
 CONFIGS = [p for p in CONFIGS if _valid(p)]
 
@@ -153,8 +168,8 @@ CONFIGS = [p for p in CONFIGS if _valid(p)]
 def _gemv_kernel(x_ptr, w_ptr, r_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, split_steps,
                  s_xm, s_xk, s_wn, s_wk, s_rm, s_rn, s_cm, s_cn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UNROLL: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
-                 LAST_REDUCES: tl.constexpr, SPLITS: tl.constexpr):
+                 UNROLL: tl.constexpr, LOOP_STAGES: tl.constexpr, DIRECT: tl.constexpr,
+                 EVEN_K: tl.constexpr, LAST_REDUCES: tl.constexpr, SPLITS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -177,7 +192,9 @@ def _gemv_kernel(x_ptr, w_ptr, r_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, split_ste
     else:
         x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(k_lo, k_main, UNROLL * BLOCK_K):
+    # LOOP_STAGES > 1: the compiler pipelines this loop (cp.async into LOOP_STAGES - 1 shared
+    # memory buffers ahead); 1: plain register loads, issued together, waited for each step.
+    for k in tl.range(k_lo, k_main, UNROLL * BLOCK_K, num_stages=LOOP_STAGES):
         # Each weight byte is read once: evict_first keeps x (re-read by every program) in L2.
         if UNROLL == 2:
             # Both tiles' loads issued before either multiply: twice the bytes in flight.
@@ -370,7 +387,7 @@ def _arrival_counters(device, n: int):
 
 
 def launch(x, weight, residual, out, variant="gemv", BLOCK_M=8, BLOCK_N=8, BLOCK_K=512,
-           SPLIT_K=1, UNROLL=1, num_warps=4, num_stages=3, REDUCE="last"):
+           SPLIT_K=1, UNROLL=1, PIPE=0, num_warps=4, num_stages=3, REDUCE="last"):
     M, K = x.shape
     N, K2 = weight.shape
     if K2 != K or tuple(residual.shape) != (M, N) or tuple(out.shape) != (M, N):
@@ -409,8 +426,9 @@ def launch(x, weight, residual, out, variant="gemv", BLOCK_M=8, BLOCK_N=8, BLOCK
     if variant == "gemv":
         _gemv_kernel[grid](x, weight, residual, ws, out, cnt, M, N, K, k_per_split // BLOCK_K,
                            *strides, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                           UNROLL=UNROLL, DIRECT=direct, EVEN_K=even_k, LAST_REDUCES=last,
-                           SPLITS=splits, num_warps=num_warps, num_stages=num_stages)
+                           UNROLL=UNROLL, LOOP_STAGES=num_stages if PIPE else 1, DIRECT=direct,
+                           EVEN_K=even_k, LAST_REDUCES=last, SPLITS=splits,
+                           num_warps=num_warps, num_stages=num_stages)
     else:
         upcast, precision = _dot_args(x)
         _splitk_kernel[grid](x, weight, residual, ws, out, cnt, M, N, K, k_per_split // BLOCK_K,
