@@ -102,9 +102,9 @@ configs = {
 }
 g = torch.Generator().manual_seed(7)
 report = {}
-# M=3: one row block; M=20: gemv row blocks of 8 (rows past M), splitk 32 rows; K=200 with
-# BLOCK_K 16/32: ragged ends, whole unroll groups and splits of unequal length
-for (m, k, n) in [(3, 200, 40), (20, 101, 37)]:
+# M=1: the gemv's one-row path; M=20: gemv row blocks of 8 (rows past M), splitk 32 rows;
+# K=200 and 101 with BLOCK_K 16/32: ragged ends, whole unroll groups, splits of unequal length
+for (m, k, n) in [(1, 200, 40), (20, 101, 37)]:
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g)
     r = torch.randn(m, n, generator=g) * 10
