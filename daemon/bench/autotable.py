@@ -82,7 +82,7 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
     (bfloat16, float16, float32; bf16/fp16/fp32 accepted). Searches the uncovered shapes
     (grid strategy, `evals` evaluations per kernel, each measuring all its missing shapes)
     kernel by kernel in SEARCH_ORDER while `budget_s` lasts; a kernel not started in time, or
-    without a spec here, stays stock and the note says so. `details`, when given, receives one
+    without a spec or a built-in template here, stays stock and the note says so. `details`, when given, receives one
     dict per (kernel, shape) with what happened there."""
     started = time.monotonic()
     dtype = DTYPE_ALIASES.get(dtype, dtype)
