@@ -18,7 +18,8 @@ FINGERPRINT_KEYS = {"host", "virtualization", "gpu", "software", "locked_clocks"
                     "hardware_status", "kernel_table", "hwtune_commit"}
 SENTINEL = 777.0
 TINY_ARGS = ["bench", "--device", "cpu", "--shapes", "2x16", "--prefill", "1x8",
-             "--steps", "20", "--warmup", "2", "--variants", "eager,graphed,tuned", "--search-evals", "1"]
+             "--steps", "20", "--warmup", "2", "--variants", "eager,graphed,tuned,tuned-unfused",
+             "--search-evals", "1"]
 
 
 def _tiny_model(batch, s_max, seed=0):
@@ -41,7 +42,7 @@ def test_tiny_model_bench_on_cpu_measures_prefill_and_decode_with_a_fingerprint(
     doc, out = tiny_run
     assert doc["label"] == "cpu"
     decode = {r["variant"]: r for r in doc["decode"]}
-    for variant in ("eager", "tuned"):
+    for variant in ("eager", "tuned", "tuned-unfused"):
         row = decode[variant]
         assert row["status"] == "ok", row
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0
@@ -50,13 +51,29 @@ def test_tiny_model_bench_on_cpu_measures_prefill_and_decode_with_a_fingerprint(
     # every substitutable call of the step says what runs: here the search (on the interpreter)
     # kept stock everywhere, and the tuned row says so per call, with the stock it ran
     kernels = decode["tuned"]["kernels"]
-    assert {"rmsnorm (layer 0)", "add_rmsnorm (attention)", "matmul qkv", "rope + kv write",
-            "decode_attention", "swiglu", "matmul down", "lm_head"} <= set(kernels)
+    assert {"rmsnorm (layer 0)", "add_rmsnorm (attention)", "linear qkv", "rope + kv write",
+            "decode_attention", "swiglu", "linear down", "add_rmsnorm (final)", "lm_head"} <= set(kernels)
     assert all(impl.startswith("stock") for impl in kernels.values()), kernels
     assert decode["tuned"]["kernels_per_layer"] == decode["tuned"]["kernels_per_layer_stock"]
+    # no fused entry: both tuned variants run the unfused step, and say why per fusion point
+    assert decode["tuned-unfused"]["kernels"] == kernels
+    assert all(w.startswith("unfused") for w in decode["tuned"]["fusions"].values()), decode["tuned"]["fusions"]
+    assert set(decode["tuned"]["fusions"]) == {"qkv", "o", "gate_up", "down", "head"}
+    assert decode["eager"]["kernels_per_layer"]["total"] == decode["tuned"]["kernels_per_layer"]["total"] == 16
     # with no table in the state dir, bench searched the model's own decode shapes first
     searched = {(d["kernel"], json.dumps(d["shape"], sort_keys=True)): d for d in doc["kernel_table"]["search"]}
-    assert ("matmul", json.dumps({"K": 64, "M": 2, "N": 128}, sort_keys=True)) in searched  # the qkv GEMV
+    assert ("linear", json.dumps({"K": 64, "M": 2, "N": 128}, sort_keys=True)) in searched  # the qkv GEMV
+    assert not any(k == "matmul" for k, _ in searched)  # the model's projections are nn.Linear-shaped
+    # the fused decode kernels' shapes are looked at first: searched once their template exists
+    from kernelsearch.kernels import TEMPLATES
+    fused_shapes = {"rmsnorm_linear": {"K": 64, "M": 2, "N": 128}, "linear_residual": {"K": 128, "M": 2, "N": 64},
+                    "rmsnorm_gate_up_swiglu": {"I": 128, "K": 64, "M": 2}}
+    for kernel, shape in fused_shapes.items():
+        d = searched[(kernel, json.dumps(shape, sort_keys=True))]
+        assert ("kept" in d) if kernel in TEMPLATES else d["result"] == "not searched: no built-in template here (stock)"
+    order = [d["kernel"] for d in doc["kernel_table"]["search"] if "kept" in d]
+    assert order[0] == next(k for k in ("rmsnorm_gate_up_swiglu", "rmsnorm_linear", "linear_residual", "linear")
+                            if k in TEMPLATES)  # the fused kernels are searched first
     assert ("swiglu", json.dumps({"I": 128, "M": 2}, sort_keys=True)) in searched
     done = [d for d in searched.values() if "kept" in d]
     assert done and all(d["against"] for d in done) and not any(d["kept"] for d in done)
@@ -64,7 +81,7 @@ def test_tiny_model_bench_on_cpu_measures_prefill_and_decode_with_a_fingerprint(
     assert ("rope_kv_write", json.dumps({"B": 2, "D": 16, "Hkv": 2, "Hq": 4, "S": 64}, sort_keys=True)) in searched
     assert (out / "state" / "ledger.sqlite").exists()
     assert doc["kernel_table"]["loaded"] and doc["kernel_table"]["path"].startswith(str(out / "state" / "dispatch"))
-    for variant in ("eager", "tuned"):  # the no-head step is timed too, against the no-head floor
+    for variant in ("eager", "tuned", "tuned-unfused"):  # the no-head step is timed too, against the no-head floor
         assert decode[variant]["step_ms_no_head"] > 0
         assert decode[variant]["rel_l2_no_head_vs_eager"] < 1e-5
     assert "no LM head" in doc["floor_note"]
@@ -313,7 +330,7 @@ def test_rope_cos_sin_are_exactly_the_stock_rotation_matrices_in_the_rotate_half
 
 def test_tuned_ops_ask_the_table_for_every_call_of_the_step_with_its_dispatch_shape():
     from kernelsearch.dispatch import SHAPE_OF as DISPATCH_SHAPE_OF
-    from daemon.bench.ops import SHAPE_OF, TunedOps, cache_len, decode_shapes
+    from daemon.bench.ops import FUSED, SHAPE_OF, TunedOps, cache_len, decode_shapes
 
     table = RecordingTable()
     ops = TunedOps(table, "test table")
@@ -324,6 +341,14 @@ def test_tuned_ops_ask_the_table_for_every_call_of_the_step_with_its_dispatch_sh
     expected = {(k, json.dumps(s, sort_keys=True))
                 for k, shapes in decode_shapes(model.cfg, [(2, 16)]).items() for s in shapes}
     assert asked == expected  # what autotable searches is exactly what the step looks up
+    assert {k for k, _ in asked} >= set(FUSED) and "matmul" not in {k for k, _ in asked}
+    # the previous tuned step asks only about the unfused kernels, and autotable searches those
+    unfused = RecordingTable()
+    _step_pair(TunedOps(unfused, "test table", fused=False))
+    expected = {(k, json.dumps(s, sort_keys=True))
+                for k, shapes in decode_shapes(model.cfg, [(2, 16)], fused=False).items() for s in shapes}
+    assert {(k, json.dumps(s, sort_keys=True)) for k, s, _ in unfused.lookups} == expected
+    assert not {k for k, _ in expected} & set(FUSED)
     assert ("rope_kv_write", json.dumps({"B": 2, "D": 16, "Hkv": 2, "Hq": 4, "S": cache_len(16)},
                                         sort_keys=True)) in asked
     assert not table.calls
@@ -331,7 +356,10 @@ def test_tuned_ops_ask_the_table_for_every_call_of_the_step_with_its_dispatch_sh
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     samples = {"rmsnorm": (r(2, 64), r(64), 1e-5), "add_rmsnorm": (r(2, 64), r(2, 64), r(64), 1e-5),
-               "matmul": (r(2, 64), r(64, 96)), "swiglu": (r(2, 256),),
+               "linear": (r(2, 64), r(96, 64)), "swiglu": (r(2, 256),),
+               "rmsnorm_linear": (r(2, 64), r(64), r(96, 64), 1e-5),
+               "rmsnorm_gate_up_swiglu": (r(2, 64), r(64), r(256, 64), 1e-5),
+               "linear_residual": (r(2, 64), r(96, 64), r(2, 96)),
                "decode_attention": (r(2, 4, 16), r(2, 2, 64, 16), r(2, 2, 64, 16),
                                     torch.tensor([5, 64], dtype=torch.int32), 0.25),
                "rope_kv_write": (r(2, 8, 16), r(2, 16), r(2, 16), torch.tensor([1, 5]),
@@ -339,7 +367,9 @@ def test_tuned_ops_ask_the_table_for_every_call_of_the_step_with_its_dispatch_sh
     assert SHAPE_OF is DISPATCH_SHAPE_OF  # one definition: each spec's call_shape
     assert {k: SHAPE_OF[k](a) for k, a in samples.items() if k != "rope_kv_write"} == {
         "rmsnorm": {"M": 2, "N": 64}, "add_rmsnorm": {"M": 2, "N": 64},
-        "matmul": {"M": 2, "K": 64, "N": 96}, "swiglu": {"M": 2, "I": 128},
+        "linear": {"M": 2, "K": 64, "N": 96}, "swiglu": {"M": 2, "I": 128},
+        "rmsnorm_linear": {"M": 2, "K": 64, "N": 96}, "rmsnorm_gate_up_swiglu": {"M": 2, "K": 64, "I": 128},
+        "linear_residual": {"M": 2, "K": 64, "N": 96},
         "decode_attention": {"B": 2, "Hq": 4, "Hkv": 2, "S": 64, "D": 16}}
     assert SHAPE_OF["rope_kv_write"](samples["rope_kv_write"]) == {"B": 2, "Hq": 4, "Hkv": 2, "D": 16, "S": 64}
 
@@ -378,7 +408,7 @@ def test_rope_kv_write_goes_to_the_table_with_the_spec_contract_where_it_has_an_
     used = describe_kernels(ops, model.cfg, 2, model.s_max, "float32")
     assert used["rope + kv write"]["impl"].startswith("tuned test.rope_kv_write")
     assert used["rope + kv write"]["against"] == "the test's stock" and used["rope + kv write"]["speedup"] == 2.0
-    assert used["matmul qkv"]["impl"] == "stock"
+    assert used["linear qkv"]["impl"] == "stock"
     counts = kernels_per_layer(ops, model.cfg, 2, model.s_max, "float32")
     stock = kernels_per_layer(StockOps(), model.cfg, 2, model.s_max, "float32")
     assert counts["rope + kv write"] == 1 and stock["rope + kv write"] == 4
@@ -481,9 +511,9 @@ VERIFIED_CHILD = textwrap.dedent('''
     table = verified_table([
         ("add_rmsnorm", {"M": B, "N": cfg.hidden}, "float32", {}),
         ("swiglu", {"M": B, "I": cfg.ffn}, "float32", {}),
-        ("matmul", {"M": B, "K": cfg.hidden, "N": cfg.qkv_heads * cfg.head_dim}, "float32",
-         {"variant": "splitk", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 8,
-          "SPLIT_K": 2, "FMA": 1, "num_warps": 4, "num_stages": 2, "REDUCE": "last"}),
+        ("linear", {"M": B, "K": cfg.hidden, "N": cfg.qkv_heads * cfg.head_dim}, "float32",
+         {"variant": "gemv", "BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 8,
+          "SPLIT_K": 2, "FMA": 0, "num_warps": 4, "num_stages": 3, "REDUCE": "last"}),
         ("decode_attention", {"B": B, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "S": S, "D": cfg.head_dim},
          "float32", {"BLOCK_S": 16, "NUM_SPLITS": 2, "num_warps": 4, "num_stages": 1}),
         ("rope_kv_write", {"B": B, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": cfg.head_dim, "S": S},
@@ -536,22 +566,22 @@ def test_tuned_step_runs_the_tables_verified_kernels_on_the_interpreter_and_stoc
     report, _ = verified_run
     assert report["err"] < 1e-4 and report["kv_err"] < 1e-5
     layers = PRESETS["tiny"].layers
-    # add_rmsnorm: 2 per layer but the first, plus the final norm; matmul: only the qkv shape
+    # add_rmsnorm: 2 per layer but the first, plus the final norm; linear: only the qkv shape
     assert report["counts"] == {"add_rmsnorm:tuned": 2 * layers, "swiglu:tuned": layers,
-                                "matmul:tuned": layers, "decode_attention:tuned": layers,
+                                "linear:tuned": layers, "decode_attention:tuned": layers,
                                 "rope_kv_write:tuned": layers}
     impl = report["impl"]
-    for label, module in (("add_rmsnorm (mlp)", "add_rmsnorm"), ("swiglu", "swiglu"), ("matmul qkv", "matmul"),
+    for label, module in (("add_rmsnorm (mlp)", "add_rmsnorm"), ("swiglu", "swiglu"), ("linear qkv", "linear"),
                           ("decode_attention", "decode_attention"), ("rope + kv write", "rope_kv_write")):
         assert impl[label].startswith(f"tuned kernelsearch.kernels.{module} "), impl
-    for label in ("rmsnorm (layer 0)", "matmul o", "matmul gate_up", "matmul down", "lm_head"):
+    for label in ("rmsnorm (layer 0)", "linear o", "linear gate_up", "linear down", "lm_head"):
         assert impl[label] == "stock", impl
     per_layer, stock = report["per_layer"], report["per_layer_stock"]
     assert per_layer["swiglu"] == report["launches"]["swiglu"] >= 1 and stock["swiglu"] == 2
     assert per_layer["rope + kv write"] == report["launches"]["rope + kv write"] == 1 and stock["rope + kv write"] == 4
     # q comes out of the tuned rope_kv_write contiguous: no copy before the tuned attention
     assert per_layer["decode_attention"] == report["launches"]["decode_attention"]
-    assert per_layer["matmul o"] == 1 and per_layer["total"] == sum(v for k, v in per_layer.items() if k != "total")
+    assert per_layer["linear o"] == 1 and per_layer["total"] == sum(v for k, v in per_layer.items() if k != "total")
 
 
 def test_bench_with_a_given_table_runs_its_entries_and_does_not_search(verified_run, tmp_path, hwtune_cli):
@@ -564,7 +594,7 @@ def test_bench_with_a_given_table_runs_its_entries_and_does_not_search(verified_
     assert tuned["status"] == "ok" and tuned["rel_l2_vs_eager"] < 1e-4, tuned
     assert tuned["kernels"]["swiglu"].startswith("tuned kernelsearch.kernels.swiglu")
     assert "no speedup recorded" in tuned["kernels"]["swiglu"]  # the entry's own speedup field
-    assert tuned["kernels"]["matmul o"].startswith("stock (no table entry")
+    assert tuned["kernels"]["linear o"].startswith("stock (no table entry")
     assert "not searched into" in doc["kernel_table"]["note"] and doc["kernel_table"]["search"] == []
     assert "autotable" not in proc.stderr and not (tmp_path / "state" / "ledger.sqlite").exists()
     from daemon.bench.report import interpreted

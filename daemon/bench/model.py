@@ -1,8 +1,9 @@
 """A Llama-style decoder with random weights, built for benchmarking decode steps.
 
 Layout choices that make the decode step lean and graph-capturable:
-- fused weights: one [H, (Hq+2Hkv)*D] QKV matrix and one [H, 2F] gate/up matrix, stored as
-  [K, N] (the `matmul` kernel contract), so a decode step is four GEMVs per layer;
+- fused weights: one [(Hq+2Hkv)*D, H] QKV matrix and one [2F, H] gate/up matrix (gate rows
+  first), every projection stored [N, K] (nn.Linear's layout, the `linear` kernel contract and
+  the fused decode specs' `weight`), so a decode step is four GEMVs per layer;
 - a static KV cache [L, 2, B, Hkv, S_max, D] (K and V of a layer side by side, each
   [B, Hkv, S_max, D] contiguous) written in place at device-tensor positions, so one
   captured step can be replayed without any host-side state;
@@ -10,7 +11,14 @@ Layout choices that make the decode step lean and graph-capturable:
   layer, q and k heads together, by a per-position rotation matrix gathered once per step
   from a table, then two in-place index writes; tuned: the dispatch table's `rope_kv_write`
   kernel on cos/sin [B, D] computed once per step, `rope_cos_sin`);
-- every op with a tunable kernel goes through an `ops` object (see daemon/bench/ops.py).
+- every op with a tunable kernel goes through an `ops` object (see daemon/bench/ops.py);
+  where `ops.fuses(kernel, *args)` says a fused decode kernel runs for the call (TunedOps with a
+  routed table entry), the step calls it instead of the unfused ops: rmsnorm_linear (norm +
+  QKV, final norm + LM head), linear_residual (o and down projections with the residual add),
+  rmsnorm_gate_up_swiglu (norm + gate|up + SwiGLU). The residual stream is kept as `stream`
+  plus a `pending` sublayer output not yet added to it: with no fused kernel the step is the
+  unfused sequence (add_rmsnorm adds the pending output), a linear_residual leaves nothing
+  pending, and a fused norm that finds a pending output adds it first (`ops.residual_add`).
 """
 from __future__ import annotations
 
@@ -109,14 +117,15 @@ class Model:
         for _ in range(cfg.layers):
             self.layers.append({
                 "attn_norm": norm_weight(),
-                "w_qkv": randn(h, cfg.qkv_heads * d, std=1.0 / math.sqrt(h)),
-                "w_o": randn(cfg.heads * d, h, std=1.0 / math.sqrt(cfg.heads * d)),
+                # [N, K]: out = x @ w.T (nn.Linear's layout)
+                "w_qkv": randn(cfg.qkv_heads * d, h, std=1.0 / math.sqrt(h)),
+                "w_o": randn(h, cfg.heads * d, std=1.0 / math.sqrt(cfg.heads * d)),
                 "mlp_norm": norm_weight(),
-                "w_gate_up": randn(h, 2 * cfg.ffn, std=1.0 / math.sqrt(h)),
-                "w_down": randn(cfg.ffn, h, std=1.0 / math.sqrt(cfg.ffn)),
+                "w_gate_up": randn(2 * cfg.ffn, h, std=1.0 / math.sqrt(h)),
+                "w_down": randn(h, cfg.ffn, std=1.0 / math.sqrt(cfg.ffn)),
             })
         self.final_norm = norm_weight()
-        self.lm_head = randn(h, cfg.vocab, std=1.0 / math.sqrt(h))
+        self.lm_head = randn(cfg.vocab, h, std=1.0 / math.sqrt(h))
         self.inv_freq = 1.0 / (cfg.rope_theta ** (
             torch.arange(0, d, 2, device=self.device, dtype=torch.float32) / d))
         self.rot = _rotate_half_matrix(d, torch.float32, self.device)
@@ -185,11 +194,14 @@ class Model:
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, ops,
                     head: bool = True) -> torch.Tensor:
         """One token per sequence. tokens, positions: int64 [B] device tensors. -> logits [B, V],
-        or with head=False the final hidden state [B, H] before the final norm and LM head
-        (the step whose bytes the no-head floor counts).
+        or with head=False the final hidden state [B, H] (the residual stream, its last residual
+        add included) before the final norm and LM head (the step whose bytes the no-head floor
+        counts).
 
         Writes K/V at `positions` in place and attends over positions+1 entries. No host sync:
-        safe to capture in a CUDA graph and replay.
+        safe to capture in a CUDA graph and replay. Each projection goes through a fused kernel
+        where `ops.fuses` says so for the call, through the unfused ops otherwise (module
+        docstring; daemon/bench/ops.py `layer_calls` lists the resulting calls).
         """
         c, kv = self.cfg, self.kv
         b = tokens.shape[0]
@@ -197,24 +209,59 @@ class Model:
         seq_lens = (positions + 1).to(torch.int32)
         rope = ops.rope_context(self, positions)
         mask = ops.attention_mask(seq_lens, kv.shape[4], self.dtype)
-        h = self.embedding.index_select(0, tokens)
-        residual = None
+        stream = self.embedding.index_select(0, tokens)
+        pending = None  # a sublayer's output not yet added to `stream`
         for i, w in enumerate(self.layers):
-            if residual is None:
-                x, residual = ops.rmsnorm(h, w["attn_norm"], c.eps), h
-            else:
-                x, residual = ops.add_rmsnorm(h, residual, w["attn_norm"], c.eps)
-            qkv = ops.matmul(x, w["w_qkv"]).view(b, c.qkv_heads, d)
+            qkv, stream, pending = self._norm_linear(ops, stream, pending, w["attn_norm"], w["w_qkv"])
+            qkv = qkv.view(b, c.qkv_heads, d)
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             q = ops.rope_kv_write(qkv, rope, positions, k_cache, v_cache, hq)
             attn = ops.decode_attention(q, k_cache, v_cache, seq_lens, self.scale, mask)
-            h = ops.matmul(attn.reshape(b, hq * d), w["w_o"])
-            x, residual = ops.add_rmsnorm(h, residual, w["mlp_norm"], c.eps)
-            h = ops.matmul(ops.silu_mul(ops.matmul(x, w["w_gate_up"])), w["w_down"])
+            stream, pending = self._linear_residual(ops, attn.reshape(b, hq * d), w["w_o"], stream)
+            if ops.fuses("rmsnorm_gate_up_swiglu", stream, w["mlp_norm"], w["w_gate_up"], c.eps):
+                stream, pending = self._settle(ops, stream, pending), None
+                act = ops.rmsnorm_gate_up_swiglu(stream, w["mlp_norm"], w["w_gate_up"], c.eps)
+            else:
+                x, stream, pending = self._norm(ops, stream, pending, w["mlp_norm"])
+                act = ops.silu_mul(ops.linear(x, w["w_gate_up"]))
+            stream, pending = self._linear_residual(ops, act, w["w_down"], stream)
         if not head:
-            return h
-        x, _ = ops.add_rmsnorm(h, residual, self.final_norm, c.eps)
-        return ops.matmul(x, self.lm_head)
+            return self._settle(ops, stream, pending)
+        logits, _, _ = self._norm_linear(ops, stream, pending, self.final_norm, self.lm_head)
+        return logits
+
+    # The pieces of decode_step. Every one takes and returns (stream, pending); `stream` is
+    # complete (nothing pending) whenever a fused kernel reads it.
+    def _norm(self, ops, stream, pending, weight):
+        """-> (normed, stream, None): rmsnorm of a complete stream, else add_rmsnorm of the
+        pending output onto it (which completes it)."""
+        if pending is None:
+            return ops.rmsnorm(stream, weight, self.cfg.eps), stream, None
+        x, stream = ops.add_rmsnorm(pending, stream, weight, self.cfg.eps)
+        return x, stream, None
+
+    @staticmethod
+    def _settle(ops, stream, pending):
+        return stream if pending is None else ops.residual_add(pending, stream)
+
+    def _norm_linear(self, ops, stream, pending, norm_weight, weight):
+        """norm, then x @ weight.T -> (out, stream, None): rmsnorm_linear where it runs fused
+        (asked with the stream's metadata: a pending add leaves shape, dtype and layout as they
+        are), else the unfused norm and linear."""
+        eps = self.cfg.eps
+        if ops.fuses("rmsnorm_linear", stream, norm_weight, weight, eps):
+            stream = self._settle(ops, stream, pending)
+            return ops.rmsnorm_linear(stream, norm_weight, weight, eps), stream, None
+        x, stream, pending = self._norm(ops, stream, pending, norm_weight)
+        return ops.linear(x, weight), stream, pending
+
+    @staticmethod
+    def _linear_residual(ops, x, weight, stream):
+        """x @ weight.T onto a complete stream -> (stream, pending): summed in the epilogue of
+        linear_residual where it runs fused (nothing pending), else the product left pending."""
+        if ops.fuses("linear_residual", x, weight, stream):
+            return ops.linear_residual(x, weight, stream), None
+        return stream, ops.linear(x, weight)
 
     def prefill(self, tokens: torch.Tensor, ops, all_logits: bool = False) -> torch.Tensor:
         """tokens int64 [B, T] at positions 0..T-1; fills kv[:, :, :, :, :T].
@@ -233,7 +280,7 @@ class Model:
                 x, residual = ops.rmsnorm(h, w["attn_norm"], c.eps), h
             else:
                 x, residual = ops.add_rmsnorm(h, residual, w["attn_norm"], c.eps)
-            qkv = ops.matmul(x, w["w_qkv"]).view(b, t, c.qkv_heads, d).transpose(1, 2)
+            qkv = ops.linear(x, w["w_qkv"]).view(b, t, c.qkv_heads, d).transpose(1, 2)
             q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
@@ -243,14 +290,14 @@ class Model:
             attn = F.scaled_dot_product_attention(
                 q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
                 is_causal=True, scale=self.scale)  # [B, Hq, T, D]
-            h = ops.matmul(attn.transpose(1, 2).reshape(b * t, hq * d), w["w_o"])
+            h = ops.linear(attn.transpose(1, 2).reshape(b * t, hq * d), w["w_o"])
             x, residual = ops.add_rmsnorm(h, residual, w["mlp_norm"], c.eps)
-            h = ops.matmul(ops.silu_mul(ops.matmul(x, w["w_gate_up"])), w["w_down"])
+            h = ops.linear(ops.silu_mul(ops.linear(x, w["w_gate_up"])), w["w_down"])
         if not all_logits:
             h = h.view(b, t, -1)[:, -1]
             residual = residual.view(b, t, -1)[:, -1]
         x, _ = ops.add_rmsnorm(h.contiguous(), residual.contiguous(), self.final_norm, c.eps)
-        logits = ops.matmul(x, self.lm_head)
+        logits = ops.linear(x, self.lm_head)
         return logits.view(b, t, -1) if all_logits else logits
 
 

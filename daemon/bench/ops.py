@@ -1,12 +1,15 @@
 """The ops a decode step goes through: stock torch, or hwtune's kernels.
 
-`StockOps` is what eager / graphed / compile use. `TunedOps` asks the dispatch table
+`StockOps` is what eager / graphed / compile use: the unfused sequence a user writes
+(`fuses` is always False). `TunedOps` asks the dispatch table
 (`kernelsearch.dispatch.DispatchTable`) for each substitutable call -- rmsnorm, add_rmsnorm,
-matmul, decode_attention, swiglu (the model's silu_mul) and rope_kv_write -- and runs the
-table's verified kernel where the table routes that (kernel, shape, dtype) to one, and the
-stock op everywhere else. It has no picker of its own: kernelsearch is the only judge of which
-kernel is kept (one keep rule, one timer); `used` says per op and shape what runs, and for a
-tuned entry its `Entry` fields (source, params, speedup against which stock).
+linear, decode_attention, swiglu (the model's silu_mul), rope_kv_write and, unless built with
+fused=False, the fused decode kernels rmsnorm_linear, rmsnorm_gate_up_swiglu and
+linear_residual (`fuses`: the model calls a fused kernel only where the table routes it) --
+and runs the table's verified kernel where the table routes that (kernel, shape, dtype) to
+one, and the stock op everywhere else. It has no picker of its own: kernelsearch is the only
+judge of which kernel is kept (one keep rule, one timer); `used` says per op and shape what
+runs, and for a tuned entry its `Entry` fields (source, params, speedup against which stock).
 """
 from __future__ import annotations
 
@@ -17,9 +20,12 @@ import torch.nn.functional as F
 from kernelsearch.dispatch import SHAPE_OF
 
 # What TunedOps routes through the table: kernel (spec) name -> the StockOps method it replaces.
-ROUTED = {"rmsnorm": "rmsnorm", "add_rmsnorm": "add_rmsnorm", "matmul": "matmul",
+ROUTED = {"rmsnorm": "rmsnorm", "add_rmsnorm": "add_rmsnorm", "linear": "linear",
           "decode_attention": "decode_attention", "swiglu": "silu_mul",
-          "rope_kv_write": "rope_kv_write"}
+          "rope_kv_write": "rope_kv_write", "rmsnorm_linear": "rmsnorm_linear",
+          "rmsnorm_gate_up_swiglu": "rmsnorm_gate_up_swiglu", "linear_residual": "linear_residual"}
+# The fused decode kernels: TunedOps(fused=False) never routes (nor asks about) these.
+FUSED = ("rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual")
 
 class StockOps:
     """torch ops. `attention`: "sdpa" (the q heads of one kv head become that head's query
@@ -41,12 +47,31 @@ class StockOps:
         residual = x + residual
         return F.rms_norm(residual, (x.shape[-1],), weight, eps), residual
 
-    def matmul(self, a, b):
-        return torch.mm(a, b)
+    def linear(self, x, weight):
+        """x [M, K] @ weight.T, weight [N, K] (nn.Linear's layout)."""
+        return F.linear(x, weight)
 
     def silu_mul(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def residual_add(self, x, residual):
+        return x + residual
+
+    # ---- the fused decode kernels' contracts, as the unfused stock ops -----------------------
+    def fuses(self, kernel, *args) -> bool:
+        """Whether the step should call the fused `kernel` on these arguments: never for stock,
+        whose step is the unfused sequence."""
+        return False
+
+    def rmsnorm_linear(self, x, norm_weight, weight, eps):
+        return F.linear(StockOps.rmsnorm(self, x, norm_weight, eps), weight)
+
+    def rmsnorm_gate_up_swiglu(self, x, norm_weight, weight, eps):
+        return StockOps.silu_mul(self, F.linear(StockOps.rmsnorm(self, x, norm_weight, eps), weight))
+
+    def linear_residual(self, x, weight, residual):
+        return residual + F.linear(x, weight)
 
     def rope_context(self, model, positions):
         """Per-step RoPE state shared by every layer: rotation matrices [B, D, D] and the
@@ -101,41 +126,75 @@ def cache_len(ctx: int) -> int:
 
 
 # ---- the calls a decode step makes, by kernel and shape (the dispatch table's keys) ----------
-def layer_calls(cfg, batch: int, s_max: int) -> list[tuple[str, str, dict]]:
-    """(label, kernel, shape) of every substitutable call in one decoder layer (after layer 0,
-    whose first norm is an rmsnorm), in call order."""
+# Where a fused decode kernel can replace unfused calls (Model.decode_step, in step order).
+FUSION_POINTS = ("qkv", "o", "gate_up", "down", "head")
+
+
+def fused_calls(cfg, batch: int) -> dict[str, tuple[str, str, dict]]:
+    """fusion point -> (label, kernel, shape) of the fused call that runs there when routed."""
     h, d = cfg.hidden, cfg.head_dim
-    norm = {"M": batch, "N": h}
-    attn = {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "S": s_max, "D": d}
-    return [
-        ("add_rmsnorm (attention)", "add_rmsnorm", norm),
-        ("matmul qkv", "matmul", {"M": batch, "K": h, "N": cfg.qkv_heads * d}),
-        ("rope + kv write", "rope_kv_write",
-         {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": s_max}),
-        ("decode_attention", "decode_attention", attn),
-        ("matmul o", "matmul", {"M": batch, "K": cfg.heads * d, "N": h}),
-        ("add_rmsnorm (mlp)", "add_rmsnorm", norm),
-        ("matmul gate_up", "matmul", {"M": batch, "K": h, "N": 2 * cfg.ffn}),
-        ("swiglu", "swiglu", {"M": batch, "I": cfg.ffn}),
-        ("matmul down", "matmul", {"M": batch, "K": cfg.ffn, "N": h}),
-    ]
+    return {
+        "qkv": ("rmsnorm_linear qkv", "rmsnorm_linear", {"M": batch, "K": h, "N": cfg.qkv_heads * d}),
+        "o": ("linear_residual o", "linear_residual", {"M": batch, "K": cfg.heads * d, "N": h}),
+        "gate_up": ("rmsnorm_gate_up_swiglu", "rmsnorm_gate_up_swiglu", {"M": batch, "K": h, "I": cfg.ffn}),
+        "down": ("linear_residual down", "linear_residual", {"M": batch, "K": cfg.ffn, "N": h}),
+        "head": ("rmsnorm_linear lm_head", "rmsnorm_linear", {"M": batch, "K": h, "N": cfg.vocab}),
+    }
 
 
-def step_calls(cfg, batch: int, s_max: int) -> list[tuple[str, str, dict]]:
-    """Every distinct substitutable call of a whole decode step (logits out)."""
-    return ([("rmsnorm (layer 0)", "rmsnorm", {"M": batch, "N": cfg.hidden})]
-            + layer_calls(cfg, batch, s_max)
-            + [("lm_head", "matmul", {"M": batch, "K": cfg.hidden, "N": cfg.vocab})])
+def _norm_and_proj(where: str, point: str, pending: bool, fused, cfg, batch: int,
+                   proj: list) -> list:
+    """The calls of a norm and the projection after it (Model._norm_linear and the MLP's first
+    half): fused (a torch add first when a sublayer output is pending), else the unfused norm
+    (add_rmsnorm when pending, rmsnorm otherwise) and `proj`."""
+    norm = {"M": batch, "N": cfg.hidden}
+    if point in fused:
+        return ([(f"residual add ({where})", None, norm)] if pending else []) + [fused_calls(cfg, batch)[point]]
+    first = (f"add_rmsnorm ({where})", "add_rmsnorm", norm) if pending else (f"rmsnorm ({where})", "rmsnorm", norm)
+    return [first] + proj
 
 
-def decode_shapes(cfg, shapes) -> dict[str, list[dict]]:
-    """{kernel: [shape dict]} of every call the tuned decode step makes at these
-    (batch, context) shapes: what the search must look at for this model (autotable)."""
+def layer_calls(cfg, batch: int, s_max: int, fused=frozenset()) -> list[tuple[str, str | None, dict]]:
+    """(label, kernel, shape) of every call in one decoder layer after layer 0, in call order,
+    with the fused kernels at the points in `fused` (FUSION_POINTS; empty: the unfused step).
+    kernel None: a torch add with no kernel spec (the residual a fused norm needs summed)."""
+    h, d = cfg.hidden, cfg.head_dim
+    fc = fused_calls(cfg, batch)
+    pending = "down" not in fused  # the previous layer's down output, unless summed in its epilogue
+    calls = _norm_and_proj("attention", "qkv", pending, fused, cfg, batch,
+                           [("linear qkv", "linear", {"M": batch, "K": h, "N": cfg.qkv_heads * d})])
+    calls += [("rope + kv write", "rope_kv_write",
+               {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": s_max}),
+              ("decode_attention", "decode_attention",
+               {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "S": s_max, "D": d})]
+    calls.append(fc["o"] if "o" in fused else ("linear o", "linear", {"M": batch, "K": cfg.heads * d, "N": h}))
+    calls += _norm_and_proj("mlp", "gate_up", "o" not in fused, fused, cfg, batch,
+                            [("linear gate_up", "linear", {"M": batch, "K": h, "N": 2 * cfg.ffn}),
+                             ("swiglu", "swiglu", {"M": batch, "I": cfg.ffn})])
+    calls.append(fc["down"] if "down" in fused else ("linear down", "linear", {"M": batch, "K": cfg.ffn, "N": h}))
+    return calls
+
+
+def step_calls(cfg, batch: int, s_max: int, fused=frozenset()) -> list[tuple[str, str | None, dict]]:
+    """Every call of a whole decode step (logits out) by label: layer 0's first norm where it
+    differs from the other layers', one layer, the final norm and LM head."""
+    first = [] if "qkv" in fused else [("rmsnorm (layer 0)", "rmsnorm", {"M": batch, "N": cfg.hidden})]
+    head = _norm_and_proj("final", "head", "down" not in fused, fused, cfg, batch,
+                          [("lm_head", "linear", {"M": batch, "K": cfg.hidden, "N": cfg.vocab})])
+    return first + layer_calls(cfg, batch, s_max, fused) + head
+
+
+def decode_shapes(cfg, shapes, fused: bool = True) -> dict[str, list[dict]]:
+    """{kernel: [shape dict]} of every call the tuned decode step may make at these
+    (batch, context) shapes, fused and unfused (with fused=False: the unfused step's only):
+    what the search must look at for this model (autotable)."""
     out: dict[str, list[dict]] = {}
     for batch, ctx in shapes:
-        for _, kernel, shape in step_calls(cfg, batch, cache_len(ctx)):
-            if shape not in out.setdefault(kernel, []):
-                out[kernel].append(dict(shape))
+        variants = [frozenset(), frozenset(FUSION_POINTS)] if fused else [frozenset()]
+        for points in variants:
+            for _, kernel, shape in step_calls(cfg, batch, cache_len(ctx), points):
+                if kernel is not None and shape not in out.setdefault(kernel, []):
+                    out[kernel].append(dict(shape))
     return out
 
 
@@ -176,9 +235,12 @@ class TunedOps(StockOps):
 
     name = "tuned"
 
-    def __init__(self, table=None, table_note: str = "", attention: str = "sdpa"):
+    def __init__(self, table=None, table_note: str = "", attention: str = "sdpa", fused: bool = True):
         super().__init__(attention)
         self.table, self.table_note = table, table_note
+        self.fused = fused  # False: issue 12's tuned step (the fused kernels never asked about)
+        if not fused:
+            self.name = "tuned-unfused"
         self.used: dict[tuple, dict] = {}    # _shape_key -> record ("impl", reason or Entry fields)
         self.stock_only: set[str] = set()
 
@@ -210,6 +272,13 @@ class TunedOps(StockOps):
         """The decision for a call already made (None before its first call)."""
         return self.used.get(_shape_key(kernel, shape, dtype))
 
+    def runs_tuned(self, kernel: str, shape: dict, dtype: str) -> bool:
+        """Whether calls of (kernel, shape, dtype) run the table's kernel (False before the
+        first call)."""
+        record = self.record(kernel, shape, dtype)
+        return (record is not None and record["impl"].startswith("tuned") and kernel not in self.stock_only
+                and (self.fused or kernel not in FUSED))
+
     def tuned_kernels(self) -> list[str]:
         """Kernels with at least one call on a tuned entry (before `stock_only`)."""
         return sorted({k[0] for k, r in self.used.items() if r["impl"].startswith("tuned")})
@@ -225,10 +294,32 @@ class TunedOps(StockOps):
             return tuple(self.table.call("add_rmsnorm", x, residual, weight, eps))
         return StockOps.add_rmsnorm(self, x, residual, weight, eps)
 
-    def matmul(self, a, b):
-        if self._routed("matmul", (a, b)):
-            return self.table.call("matmul", a, b)
-        return StockOps.matmul(self, a, b)
+    def linear(self, x, weight):
+        if self._routed("linear", (x, weight)):
+            return self.table.call("linear", x, weight)
+        return StockOps.linear(self, x, weight)
+
+    def fuses(self, kernel, *args) -> bool:
+        """True where the table routes the fused `kernel` for these arguments (decided once per
+        shape, recorded in `used` as every call is); never with fused=False."""
+        if kernel in FUSED and not self.fused:
+            return False
+        return self._routed(kernel, args)
+
+    def rmsnorm_linear(self, x, norm_weight, weight, eps):
+        if self.fuses("rmsnorm_linear", x, norm_weight, weight, eps):
+            return self.table.call("rmsnorm_linear", x, norm_weight, weight, eps)
+        return StockOps.rmsnorm_linear(self, x, norm_weight, weight, eps)
+
+    def rmsnorm_gate_up_swiglu(self, x, norm_weight, weight, eps):
+        if self.fuses("rmsnorm_gate_up_swiglu", x, norm_weight, weight, eps):
+            return self.table.call("rmsnorm_gate_up_swiglu", x, norm_weight, weight, eps)
+        return StockOps.rmsnorm_gate_up_swiglu(self, x, norm_weight, weight, eps)
+
+    def linear_residual(self, x, weight, residual):
+        if self.fuses("linear_residual", x, weight, residual):
+            return self.table.call("linear_residual", x, weight, residual)
+        return StockOps.linear_residual(self, x, weight, residual)
 
     def silu_mul(self, gate_up):
         if self._routed("swiglu", (gate_up,)):
@@ -268,13 +359,43 @@ class TunedOps(StockOps):
         return StockOps.decode_attention(self, q, k_cache, v_cache, seq_lens, scale, mask)
 
 
+def fused_points(ops, cfg, batch: int, dtype: str) -> frozenset:
+    """The FUSION_POINTS where the step ran (runs) a fused kernel: read from TunedOps' decisions
+    after at least one step; empty for stock."""
+    if not isinstance(ops, TunedOps):
+        return frozenset()
+    return frozenset(p for p, (_, kernel, shape) in fused_calls(cfg, batch).items()
+                     if ops.runs_tuned(kernel, shape, dtype))
+
+
+def describe_fusions(ops, cfg, batch: int, dtype: str) -> dict[str, str]:
+    """Per fusion point: the fused kernel that runs there, or why the unfused calls run."""
+    out = {}
+    for point, (_, kernel, shape) in fused_calls(cfg, batch).items():
+        record = ops.record(kernel, shape, dtype) if isinstance(ops, TunedOps) else None
+        if not isinstance(ops, TunedOps):
+            why = "unfused (stock variant)"
+        elif not ops.fused:
+            why = "unfused (fused kernels off in this variant)"
+        elif record is None:
+            why = "unfused (not asked)"
+        elif ops.runs_tuned(kernel, shape, dtype):
+            why = f"fused: {kernel}"
+        else:
+            why = f"unfused ({kernel}: {record.get('reason') or record['impl']})"
+        out[point] = why
+    return out
+
+
 def describe_kernels(ops, cfg, batch: int, s_max: int, dtype: str) -> dict[str, dict]:
     """Per call of the decode step (label): what runs -- the tuned entry's fields, or stock and
     why. Read after at least one step (TunedOps decides on the first call)."""
     out = {}
-    for label, kernel, shape in step_calls(cfg, batch, s_max):
-        record = ops.record(kernel, shape, dtype) if isinstance(ops, TunedOps) else None
-        if record is None:
+    for label, kernel, shape in step_calls(cfg, batch, s_max, fused_points(ops, cfg, batch, dtype)):
+        record = ops.record(kernel, shape, dtype) if isinstance(ops, TunedOps) and kernel else None
+        if kernel is None:
+            record = {"impl": "stock", "reason": "torch add: the pending residual, summed before a fused norm"}
+        elif record is None:
             record = {"impl": "stock", "reason": "not routed (stock variant)"
                       if not isinstance(ops, TunedOps) else "not called"}
         elif isinstance(ops, TunedOps) and kernel in ops.stock_only:
@@ -284,17 +405,20 @@ def describe_kernels(ops, cfg, batch: int, s_max: int, dtype: str) -> dict[str, 
 
 
 def kernels_per_layer(ops, cfg, batch: int, s_max: int, dtype: str) -> dict:
-    """Kernel launches per decoder layer, counted from what runs: a tuned entry launches what
-    its verified plan launches; stock counts are torch's usual CUDA launches (torch.profiler on
-    a CPU cannot see CUDA kernels): rms_norm 1 + the residual add 1, a GEMV 1, RoPE bmm 1
-    (+1 copy of the strided q/k slice when batch > 1) + 2 index writes, SDPA 1 (+1 q copy for
-    batch > 1; bmm attention 4), silu 1 + mul 1."""
-    stock = {"add_rmsnorm": 2, "matmul": 1, "rope_kv_write": 3 if batch == 1 else 4,
+    """Kernel launches per decoder layer (after layer 0), counted from what runs: a tuned entry
+    launches what its verified plan launches; stock counts are torch's usual CUDA launches
+    (torch.profiler on a CPU cannot see CUDA kernels): rms_norm 1 (+ the residual add 1), a
+    GEMV 1, RoPE bmm 1 (+1 copy of the strided q/k slice when batch > 1) + 2 index writes, SDPA
+    1 (+1 q copy for batch > 1; bmm attention 4), silu 1 + mul 1, a residual add 1."""
+    stock = {"rmsnorm": 1, "add_rmsnorm": 2, "linear": 1, "rope_kv_write": 3 if batch == 1 else 4,
              "decode_attention": (1 if batch == 1 else 2) if ops.attention == "sdpa" else 4,
-             "swiglu": 2}
+             "swiglu": 2, None: 1,
+             # the fused kernels' stock compositions (listed only where a tuned entry runs)
+             "rmsnorm_linear": 2, "rmsnorm_gate_up_swiglu": 4, "linear_residual": 2}
+    fused = fused_points(ops, cfg, batch, dtype)
     described = describe_kernels(ops, cfg, batch, s_max, dtype)
     counts = {}
-    for label, kernel, _ in layer_calls(cfg, batch, s_max):
+    for label, kernel, _ in layer_calls(cfg, batch, s_max, fused):
         d = described[label]
         counts[label] = d["launches"] if d["impl"].startswith("tuned") else stock[kernel]
     rope_stock = not described["rope + kv write"]["impl"].startswith("tuned")

@@ -154,6 +154,19 @@ def markdown(doc: dict, base: dict | None = None, png_name: str | None = "report
             shape = " ".join(f"{k}={v}" for k, v in (d.get("shape") or {}).items())
             lines.append(f"| {d.get('kernel')} | {shape} | {d.get('dtype')} | {d.get('result')} |")
     lines += hf_markdown(doc)
+    per_layer = [r for r in doc.get("decode", []) if r.get("model") != "hf-llama" and r.get("kernels_per_layer")]
+    if per_layer:
+        lines += ["", "## Kernel launches per decoder layer", "",
+                  "Counted from what runs (a tuned entry: its verified plan's launches; stock: torch's "
+                  "usual CUDA launches); fused: where a fused decode kernel replaced unfused calls.", "",
+                  "| variant | batch | ctx | kernels/layer | stock kernels/layer | fused |",
+                  "|---|---:|---:|---:|---:|---|"]
+        for r in per_layer:
+            stock = (r.get("kernels_per_layer_stock") or r["kernels_per_layer"]).get("total")
+            fused = [f"{p}: {w.removeprefix('fused: ')}" for p, w in (r.get("fusions") or {}).items()
+                     if w.startswith("fused")]
+            lines.append(f"| {r['variant']} | {r['batch']} | {r['ctx']} | {r['kernels_per_layer'].get('total')} | "
+                         f"{stock} | {', '.join(fused) or '-'} |")
     if doc.get("tuned_kernels"):
         lines += ["", "## Kernels the tuned variant used", ""]
         for shape, used in doc["tuned_kernels"].items():

@@ -2,8 +2,11 @@
 
 Variants (decode): eager (stock ops, Python launches each step), graphed (the same step
 captured in one CUDA graph and replayed), compile (torch.compile max-autotune of the same
-step), tuned (the step graphed with hwtune's kernels substituted through TunedOps). All four
-run the same fused weights (QKV as one matrix, gate/up as one) so the comparison is fair.
+step), tuned (the step graphed with hwtune's kernels substituted through TunedOps, the fused
+decode kernels -- norm + projection, projection + residual add, norm + gate|up + SwiGLU --
+wherever the table routes them), tuned-unfused (the same table without the fused kernels:
+issue 12's tuned step, the fusion's baseline). All run the same fused weights (QKV as one
+matrix, gate/up as one, nn.Linear's [N, K] layout) so the comparison is fair.
 
 Timing: CUDA events around each step (or replay), warm-up first, median of >= 20 steps;
 tokens/s = batch / step time. Energy: NVML's total-energy counter over a separate window of
@@ -27,17 +30,21 @@ import torch
 from daemon.bench.autotable import DEFAULT_EVALS, default_table_path, ensure_table
 from daemon.bench.model import PRESETS, Model
 from daemon.bench.ops import (DTYPE_NAMES, StockOps, TunedOps, cache_len, decode_shapes,
-                              describe_kernels, kernels_per_layer, rel_l2, time_in_graph_ms,
+                              describe_fusions, describe_kernels, kernels_per_layer, rel_l2, time_in_graph_ms,
                               warm_up_for_capture)
 
-VARIANTS = ("eager", "graphed", "compile", "tuned")
+VARIANTS = ("eager", "graphed", "compile", "tuned", "tuned-unfused")
+# The variants that run TunedOps on the dispatch table: variant -> whether fused kernels are asked.
+TUNED_VARIANTS = {"tuned": True, "tuned-unfused": False}
 FAIR_NOTE = ("All variants run the same model with the same fused weights (one QKV matrix, "
              "one gate/up matrix) and the same static KV cache; eager, graphed and compile apply "
              "RoPE as one batched matmul before the KV-cache write; the tuned variant is the "
              "graphed step with the dispatch table's kernels (verified and kept by kernelsearch's "
              "search, e.g. a RoPE+KV-write kernel where the table has one) wherever the table has "
-             "an entry for the call, stock everywhere else; they differ only in how the step is "
-             "launched and which kernels run.")
+             "an entry for the call, stock everywhere else, and a fused decode kernel (norm + "
+             "projection, projection + residual add, norm + gate/up + SwiGLU) in place of the "
+             "unfused calls wherever the table has one; tuned-unfused is the same table without "
+             "the fused kernels; they differ only in how the step is launched and which kernels run.")
 # Without a table covering the decode shapes, the search gets at most this share of --budget-s.
 SEARCH_SHARE = 0.5
 
@@ -242,11 +249,12 @@ class Bench:
         log(f"{doc['label']}: model {cfg.name} {o.dtype}, shapes {o.shapes}, variants {list(o.variants)}, "
             f"budget {o.budget_s:.0f}s")
         table, table_note, details = None, "tuned variant not run: no table needed", []
-        if "tuned" in o.variants:
+        if set(TUNED_VARIANTS) & set(o.variants):
             search_budget_s = SEARCH_SHARE * o.budget_s
             table, table_note = ensure_table(
                 state_dir=o.state_dir, device=o.device, dtype=DTYPE_NAMES[dtype],
-                shapes=decode_shapes(cfg, o.shapes), budget_s=search_budget_s, table_path=o.table_path,
+                shapes=decode_shapes(cfg, o.shapes, fused="tuned" in o.variants),
+                budget_s=search_budget_s, table_path=o.table_path,
                 progress=log, evals=o.search_evals, details=details)
         if o.table_path is None and o.state_dir is not None:
             o.table_path = default_table_path(o.state_dir, o.device)
@@ -353,6 +361,9 @@ class Bench:
         tol = 5e-2 if model.dtype != torch.float32 else 1e-3
         for variant in variants:
             row = {"variant": variant, "batch": batch, "ctx": ctx, "s_max": s_max}
+            if variant in ("eager", "graphed"):  # the stock step (compile's are inductor's own)
+                row["kernels_per_layer"] = kernels_per_layer(stock, model.cfg, batch, s_max,
+                                                             DTYPE_NAMES[model.dtype])
             if self.left_s() < 15:
                 row["status"] = "skipped: time budget spent"
                 doc["decode"].append(row)
@@ -365,7 +376,7 @@ class Bench:
                 if fn is None:
                     row.update(extra)
                     doc["decode"].append(row)
-                    log(f"decode {variant:8s} B={batch:<3d} ctx={ctx:<5d} {row['status']}")
+                    log(f"decode {variant:13s} B={batch:<3d} ctx={ctx:<5d} {row['status']}")
                     continue
                 row.update(extra)
                 out_now = fn()
@@ -412,10 +423,10 @@ class Bench:
                 tj = f"{row['tokens_per_j']:.1f} tok/J" if row.get("tokens_per_j") else "no energy"
                 pf = (f"no head {row['step_ms_no_head']:.3f} ms = {row['pct_of_floor']:.0f}% of floor"
                       if row.get("pct_of_floor") else "")
-                log(f"decode {variant:8s} B={batch:<3d} ctx={ctx:<5d} {row['step_ms']:.3f} ms "
+                log(f"decode {variant:13s} B={batch:<3d} ctx={ctx:<5d} {row['step_ms']:.3f} ms "
                     f"{row['tokens_per_s']:.0f} tok/s {tj} {pf} (err {row['rel_l2_vs_eager']:.1e})")
             else:
-                log(f"decode {variant:8s} B={batch:<3d} ctx={ctx:<5d} {row['status']}")
+                log(f"decode {variant:13s} B={batch:<3d} ctx={ctx:<5d} {row['status']}")
             fn = out = None
             if self.cuda:
                 torch.cuda.empty_cache()
@@ -434,9 +445,9 @@ class Bench:
             graph, out = capture_graph(lambda: model.decode_step(tokens, positions, stock))
             g_nh, out_nh = capture_graph(lambda: model.decode_step(tokens, positions, stock, head=False))
             return graph.replay, out, {"_no_head": (g_nh.replay, out_nh)}
-        if variant == "tuned":
+        if variant in TUNED_VARIANTS:
             return self._tuned_step(model, tokens, positions, stock, table, table_note, doc, batch, ctx,
-                                    ref, tol)
+                                    ref, tol, fused=TUNED_VARIANTS[variant])
         if variant == "compile":
             if not self.cuda:
                 return None, None, {"status": "skipped: needs CUDA (compile is a GPU measurement here)"}
@@ -447,21 +458,25 @@ class Bench:
             return self._compiled_step(model, tokens, positions, stock, doc)
         return None, None, {"status": f"skipped: unknown variant {variant!r}"}
 
-    def _tuned_step(self, model, tokens, positions, stock, table, table_note, doc, batch, ctx, ref, tol):
-        """The graphed step with TunedOps on the dispatch table. One check, of the whole step's
-        logits against stock's (not a keep rule: nothing is dropped for being slow); when it
-        fails, the row says so and which op(s) it is about, and is not timed."""
+    def _tuned_step(self, model, tokens, positions, stock, table, table_note, doc, batch, ctx, ref, tol,
+                    fused=True):
+        """The graphed step with TunedOps on the dispatch table (fused=False: without the fused
+        decode kernels). One check, of the whole step's logits against stock's (not a keep rule:
+        nothing is dropped for being slow); when it fails, the row says so and which op(s) it is
+        about, and is not timed."""
         cfg, s_max, dt = model.cfg, model.kv.shape[4], DTYPE_NAMES[model.dtype]
         if table is not None and not self.cuda and os.environ.get("TRITON_INTERPRET") != "1":
             ops = TunedOps(None, "cpu without TRITON_INTERPRET=1: the table's Triton kernels cannot run",
-                           attention=stock.attention)
+                           attention=stock.attention, fused=fused)
         else:
-            ops = TunedOps(table, table_note, attention=stock.attention)
+            ops = TunedOps(table, table_note, attention=stock.attention, fused=fused)
         failure = self._check_tuned(model, tokens, positions, ops, ref, tol)
         used = describe_kernels(ops, cfg, batch, s_max, dt)
-        doc["tuned_kernels"][f"{batch}x{ctx}"] = used
+        # "BxCTX" for tuned (the key earlier results use), "BxCTX variant" for the others
+        doc["tuned_kernels"][f"{batch}x{ctx}" + ("" if ops.name == "tuned" else f" {ops.name}")] = used
         fields = {"kernels": {label: u["impl"] + (f" ({u['reason']})" if u.get("reason") else "")
                               for label, u in used.items()},
+                  "fusions": describe_fusions(ops, cfg, batch, dt),
                   "kernel_source": table_note,
                   "kernels_per_layer": kernels_per_layer(ops, cfg, batch, s_max, dt),
                   "kernels_per_layer_stock": kernels_per_layer(stock, cfg, batch, s_max, dt)}
@@ -578,13 +593,13 @@ class Bench:
 def format_table(doc: dict) -> str:
     hf_rows = [r for r in doc["decode"] if r.get("model") == "hf-llama"]   # their own table, below
     builtin = [r for r in doc["decode"] if r.get("model") != "hf-llama"]
-    lines = [f"{'variant':8s} {'batch':>5s} {'ctx':>6s} {'step ms':>9s} {'tokens/s':>10s} "
+    lines = [f"{'variant':13s} {'batch':>5s} {'ctx':>6s} {'step ms':>9s} {'tokens/s':>10s} "
              f"{'tokens/J':>9s} {'%fl+head':>8s} {'no-head ms':>10s} {'% floor':>8s}  status"] \
         if builtin or not hf_rows else []
     for r in builtin:
         ok = r.get("status") == "ok"
         lines.append(
-            f"{r['variant']:8s} {r['batch']:5d} {r['ctx']:6d} "
+            f"{r['variant']:13s} {r['batch']:5d} {r['ctx']:6d} "
             f"{(format(r['step_ms'], '.3f') if ok else '-'):>9s} "
             f"{(format(r['tokens_per_s'], '.0f') if ok else '-'):>10s} "
             f"{(format(r['tokens_per_j'], '.1f') if r.get('tokens_per_j') else '-'):>9s} "
@@ -602,8 +617,8 @@ def format_table(doc: dict) -> str:
     if (doc.get("kernel_table") or {}).get("note"):
         lines.append(f"kernels of the tuned variant: {doc['kernel_table']['note']}")
     for r in doc["decode"]:
-        if r["variant"] == "tuned" and r.get("kernels"):
-            lines.append(f"tuned B={r['batch']} ctx={r['ctx']} kernels/layer "
+        if r["variant"] in TUNED_VARIANTS and r.get("kernels"):
+            lines.append(f"{r['variant']} B={r['batch']} ctx={r['ctx']} kernels/layer "
                          f"{r.get('kernels_per_layer', {}).get('total', '?')} (stock "
                          f"{r.get('kernels_per_layer_stock', {}).get('total', '?')}):")
             for op, impl in r["kernels"].items():
