@@ -160,7 +160,11 @@ def test_hf_llama_on_cpu_gives_every_row_with_hwtunes_tuned_kernels_within_toler
     unfused_kernels = {"rmsnorm", "linear", "swiglu", "rope_kv_write", "decode_attention"}
     for r in (r for r in rows if r["variant"] in ("hf-hwtune-unfused", "hf-hwtune")):
         # every decode shape of this model had a verified entry: tuned kernels ran, not stock
-        assert r["patch_report"][0].startswith("hwtune patch LlamaForCausalLM: 3 rms_norm, 1 mlp, 1 attention, 1 lm_head")
+        head = r["patch_report"][0]
+        assert head.startswith("hwtune patch LlamaForCausalLM: 3 rms_norm, 1 mlp, 1 attention, ") and \
+            "1 lm_head" in head, head
+        # the fused layer parts, listed only where the fused patch routed them
+        assert ("fused" in head) == (r["variant"] == "hf-hwtune" and bool(merged)), head
         assert f"{n_entries} tuned shapes here" in r["patch_report"][0]
         routes = r["table_routes"]   # every decode op ran its tuned kernel, none fell back to stock
         ran = {k.split(":")[0] for k in routes if k.endswith(":tuned")}

@@ -196,3 +196,9 @@ def test_every_spec_has_a_template_and_its_call_shape_gives_back_each_sweep_shap
         scalars = spec.draw_scalars(__import__("random").Random(0), dims)
         args = [inputs[n] if n in inputs else scalars.get(n, 1.0) for n in spec.arg_names]
         assert spec.call_shape(args) == dims, (name, shape)
+
+
+def test_the_cli_help_names_every_spec():
+    from daemon.commands.kernels import KERNEL_HELP
+    listed = {n.strip() for n in KERNEL_HELP.split(":", 1)[1].split(",")}
+    assert listed == set(SPECS)

@@ -29,7 +29,7 @@ def add_bench_arguments(p) -> None:
                    help="decode batch x context, e.g. 1x2048,8x2048,32x2048,1x8192")
     m.add_argument("--prefill", default=None, metavar="BxT,...", help="prefill batch x tokens")
     m.add_argument("--variants", default=None,
-                   help="comma list of eager, graphed, compile, tuned (built-in, all by default) and "
+                   help="comma list of eager, graphed, compile, tuned, tuned-unfused (built-in, all by default) and "
                         "hf-eager, hf-compiled, hf-hwtune-unfused, hf-hwtune, hf-liger (hf-llama, all by default)")
     m.add_argument("--steps", type=int, default=50, help="timed decode steps (median; >= 20)")
     m.add_argument("--warmup", type=int, default=10, help="untimed decode steps before the timed ones")

@@ -14,9 +14,12 @@ from pathlib import Path
 from daemon.device import DEVICE_HELP, resolve_device
 from hwtune.errors import UsageError
 
+# every spec of kernelsearch.specs.SPECS (tests/test_specs.py holds this list to the registry)
+KERNEL_HELP = "spec name: rmsnorm, add_rmsnorm, softmax, matmul, linear, swiglu, rope, rope_kv_write, decode_attention, rmsnorm_linear, rmsnorm_gate_up_swiglu, linear_residual"
+
 
 def add_check_kernel_arguments(p) -> None:
-    p.add_argument("kernel", help="spec name: rmsnorm, add_rmsnorm, softmax, matmul, decode_attention")
+    p.add_argument("kernel", help=KERNEL_HELP)
     p.add_argument("file", type=Path, help="candidate Triton file defining launch(...)")
     p.add_argument("--device", default="auto",
                    help=f"{DEVICE_HELP}; cpu: reduced sweep; or cuda:N")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from daemon.device import DEVICE_HELP, resolve_device
+from daemon.commands.kernels import KERNEL_HELP
 from hwtune.errors import UsageError
 
 STRATEGIES = ("grid", "random", "optuna", "evolution", "agent")
@@ -28,7 +29,7 @@ def _shape(text: str) -> dict:
 
 
 def add_search_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kernel", help="rmsnorm, add_rmsnorm, softmax, matmul, decode_attention")
+    p.add_argument("kernel", help=KERNEL_HELP)
     p.add_argument("--strategy", choices=STRATEGIES, default="grid",
                    help="how candidates are proposed (agent: an external command, see --agent-command)")
     p.add_argument("--budget", default="medium",

@@ -1,0 +1,84 @@
+"""Where the built-in decoder's decode step spends its time on a GPU, per variant (issue 13).
+
+    python3 bench/gaps_gpu.py --table DISPATCH.json --shapes 1x2048,32x2048 --out DIR
+
+For eager in a CUDA graph (stock), the previous tuned step (tuned-unfused) and the fused tuned
+step (tuned), each at each (batch, context), without the LM head (the step the no-head floor
+counts): daemon.bench.gaps.profile_and_breakdown -- the step captured in a CUDA graph, its time by
+CUDA events (median of back-to-back replays), its kernels by torch.profiler over graph replays --
+against the bandwidth floor of the same step at the copy bandwidth measured here. Writes
+DIR/gaps.md (one breakdown per row) and DIR/gaps.json. Read-only: changes no GPU setting.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", required=True)
+    ap.add_argument("--shapes", default="1x2048,32x2048")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    from daemon.bench import gaps
+    from daemon.bench.model import PRESETS, Model
+    from daemon.bench.ops import StockOps, TunedOps, cache_len, kernels_per_layer, rel_l2
+    from daemon.bench.run import decode_floor, measure_copy_bandwidth_gbs
+    from kernelsearch.dispatch import DispatchTable
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = "cuda"
+    copy_gbs = measure_copy_bandwidth_gbs(dev)
+    cfg = PRESETS["llama3-8b-8l"].with_overrides(layers=args.layers)
+    model = Model(cfg, device=dev, dtype=torch.bfloat16)
+    table = DispatchTable.load(args.table)
+    table.prepare(torch.device(dev))
+    md = [f"# decode-step gap breakdown, {torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s, "
+          f"{args.layers} layers, no LM head\n"]
+    doc = {"copy_gbs": copy_gbs, "rows": []}
+    for text in args.shapes.split(","):
+        batch, ctx = (int(v) for v in text.split("x"))
+        model.allocate_cache(batch, cache_len(ctx))
+        model.fill_cache_random()
+        g = torch.Generator(device=dev).manual_seed(5)
+        tokens = torch.randint(0, cfg.vocab, (batch,), device=dev, generator=g)
+        positions = torch.full((batch,), ctx, dtype=torch.int64, device=dev)
+        floor = decode_floor(cfg, batch, ctx, 2, copy_gbs)
+        stock = StockOps()
+        ref = model.decode_step(tokens, positions, stock, head=False).float()
+        for name, ops in (("graphed", stock), ("tuned-unfused", TunedOps(table, fused=False)),
+                          ("tuned", TunedOps(table))):
+            got = model.decode_step(tokens, positions, ops, head=False).float()   # routes decided here
+            err = rel_l2(got, ref)
+            fn = lambda ops=ops: model.decode_step(tokens, positions, ops, head=False)
+            try:
+                result, text_md = gaps.profile_and_breakdown(fn, args.steps, args.layers,
+                                                             floor_ms=floor["floor_ms"], copy_gbs=copy_gbs)
+            except Exception as exc:
+                md.append(f"## {name} b{batch} ctx{ctx}: failed: {type(exc).__name__}: {exc}\n")
+                continue
+            kpl = kernels_per_layer(ops, cfg, batch, model.kv.shape[4], "bfloat16")
+            md.append(f"## {name}, batch {batch}, context {ctx} (no-head rel_l2 vs eager {err:.2e}; "
+                      f"kernels per layer by the op count: {kpl.get('total')})\n")
+            md.append(text_md + "\n")
+            raw = result.pop("raw")
+            doc["rows"].append({"variant": name, "batch": batch, "ctx": ctx, "rel_l2": err,
+                                "kernels_per_layer_counted": kpl, "breakdown": result})
+            (out / f"events-{name}-b{batch}.json").write_text(json.dumps(raw)) if batch == 1 and name == "tuned" else None
+            print(f"{name} b{batch}: step {result.get('step_ms')} ms", flush=True)
+    (out / "gaps.md").write_text("\n".join(md))
+    (out / "gaps.json").write_text(json.dumps(doc, indent=1, default=str))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
