@@ -36,7 +36,7 @@ def decode_calls(shapes, layers: int) -> dict:
     _merge(out, bench_ops.decode_shapes(cfg, shapes))
     hf_cfg = llama3_8b_config(layers)
     for batch, ctx in shapes:
-        _merge(out, hf_shapes(hf_cfg, batch, bench_ops.cache_len(ctx)))
+        _merge(out, hf_shapes(hf_cfg, batch, ctx))   # StaticCache(max_cache_len=ctx): S = ctx
     return out
 
 
