@@ -26,23 +26,26 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="llama3-8b-8l")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
     from daemon.bench import gaps
     from daemon.bench.model import PRESETS, Model
-    from daemon.bench.ops import StockOps, TunedOps, cache_len, kernels_per_layer, rel_l2
+    from daemon.bench.ops import DTYPE_NAMES, StockOps, TunedOps, cache_len, kernels_per_layer, rel_l2
     from daemon.bench.run import decode_floor, measure_copy_bandwidth_gbs
     from kernelsearch.dispatch import DispatchTable
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    dev = "cuda"
-    copy_gbs = measure_copy_bandwidth_gbs(dev)
-    cfg = PRESETS["llama3-8b-8l"].with_overrides(layers=args.layers)
-    model = Model(cfg, device=dev, dtype=torch.bfloat16)
+    dev = args.device
+    copy_gbs = measure_copy_bandwidth_gbs(dev) if dev == "cuda" else None
+    cfg = PRESETS[args.preset].with_overrides(layers=args.layers)
+    model = Model(cfg, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
     table = DispatchTable.load(args.table)
-    table.prepare(torch.device(dev))
+    if table.entries:
+        table.prepare(torch.device(dev))
     md = [f"# decode-step gap breakdown, {torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s, "
-          f"{args.layers} layers, no LM head\n"]
+          f"{args.layers} layers, no LM head\n"] if dev == "cuda" else [f"# {dev}: no profile\n"]
     doc = {"copy_gbs": copy_gbs, "rows": []}
     for text in args.shapes.split(","):
         batch, ctx = (int(v) for v in text.split("x"))
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
             except Exception as exc:
                 md.append(f"## {name} b{batch} ctx{ctx}: failed: {type(exc).__name__}: {exc}\n")
                 continue
-            kpl = kernels_per_layer(ops, cfg, batch, model.kv.shape[4], "bfloat16")
+            kpl = kernels_per_layer(ops, cfg, batch, model.kv.shape[4], DTYPE_NAMES[model.dtype])
             md.append(f"## {name}, batch {batch}, context {ctx} (no-head rel_l2 vs eager {err:.2e}; "
                       f"kernels per layer by the op count: {kpl.get('total')})\n")
             md.append(text_md + "\n")

@@ -328,3 +328,30 @@ def test_every_fused_kernels_tuned_template_together_gives_the_unpatched_logits(
     want = {"rmsnorm_linear:tuned": 4, "linear_residual:tuned": 8, "rmsnorm_gate_up_swiglu:tuned": 4}
     assert report["counts"] == want and report["compiled_counts"] == want
     assert max(report["err"]) < 1e-4 and max(report["err_compiled"]) < 1e-4
+
+
+def _hidden_states(model, ids):
+    with torch.no_grad():
+        return model(ids, output_hidden_states=True).hidden_states
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["hooks-after-patch", "hooks-before-patch"])
+def test_output_hidden_states_records_every_fused_layer_and_survives_unpatch(before):
+    """transformers 5 installs its output-recording hooks once per model, on the layers that are
+    instances of its decoder-layer class: the fused layer must be one, and take over (and give
+    back) hooks installed before it."""
+    model = tiny_model("Llama")
+    ids = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(3))
+    want = _hidden_states(model, ids) if before else None
+    if not before:   # hooks not installed yet: they get installed on the patched model
+        want = [h.clone() for h in _hidden_states(tiny_model("Llama"), ids)]
+    patch(model, dispatch.DispatchTable.empty(), stock_through_ops=True)
+    layer_cls = type(tiny_model("Llama").model.layers[0])
+    assert all(isinstance(layer, HwtuneDecoderLayer) and isinstance(layer, layer_cls) for layer in model.model.layers)
+    got = _hidden_states(model, ids)
+    assert len(got) == len(want) == model.config.num_hidden_layers + 1
+    for w, g in zip(want, got):
+        assert rel_err(w, g) < TOL[torch.float32]
+    unpatch(model)
+    again = _hidden_states(model, ids)
+    assert len(again) == len(want) and all(rel_err(w, g) < TOL[torch.float32] for w, g in zip(want, again))

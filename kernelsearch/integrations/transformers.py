@@ -51,9 +51,11 @@ checks the mask and runs the model's own attention when a row is padded; under t
 (no host sync) such a row's output is NaN instead of silently wrong.
 
 Inference only: hwtune's ops have no backward; a module in training mode runs the original.
-Not recorded: output_attentions / output_hidden_states (transformers 5 records them with hooks on
-its own attention and decoder-layer classes, which the patched modules are not): a patched
-attention gives no attentions, and with fused layers no per-layer hidden states come back.
+Hooks: a swapped module takes over the forward hooks of the module it replaces, and gives back at
+unpatch the ones registered on it meanwhile (transformers 5 installs its output-recording hooks
+once per model). A fused decoder layer is an instance of the model's own decoder-layer class (a
+subclass made at patch time), so output_hidden_states records every layer as unpatched. Not
+recorded: output_attentions (a patched attention computes no attention weights).
 """
 from __future__ import annotations
 
@@ -425,7 +427,7 @@ class HwtuneDecoderLayer(nn.Module):
     the original layer's (already patched) modules, under the same names."""
 
     def __init__(self, original: nn.Module, routes: _Routes):
-        super().__init__()
+        nn.Module.__init__(self)   # not the model's layer class's __init__ (see _decoder_layer)
         for name, value in vars(original).items():   # hidden_size, attention_type, ...
             if not name.startswith("_") and name != "training":
                 setattr(self, name, value)
@@ -678,6 +680,7 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
     def swap(parent, name, new, part):
         original = getattr(parent, name)
         new.train(original.training)   # a new module starts in training mode
+        _move_hooks(original, new)
         record.swaps.append((parent, name, original))
         setattr(parent, name, new)
         if part is not None:
@@ -715,7 +718,7 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
         for i, layer in enumerate(layers):
             why = _fused_layer_problem(layer)
             if why is None:
-                new = HwtuneDecoderLayer(layer, routes)
+                new = _decoder_layer(layer, routes)
                 parts = new.parts()
                 if isinstance(layer.mlp, HwtuneMLP) and layer.mlp.gate_up_bias is not None:
                     not_fused.setdefault("fused norm+gate_up+swiglu: the MLP has gate/up biases "
@@ -743,6 +746,35 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
     return report
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+
+
+def _move_hooks(src: nn.Module, dst: nn.Module) -> None:
+    """Give `dst` the forward (pre-)hooks of `src` that it lacks (same handle ids, same order)."""
+    for attr in _HOOK_DICTS:
+        have, into = getattr(src, attr, None), getattr(dst, attr, None)
+        if have is None or into is None:
+            continue
+        for key, hook in have.items():
+            if key not in into:
+                into[key] = hook
+
+
+_LAYER_CLASSES: dict = {}
+
+
+def _decoder_layer(original: nn.Module, routes: _Routes) -> HwtuneDecoderLayer:
+    """HwtuneDecoderLayer as an instance of the original layer's class too (transformers finds the
+    layers whose hidden states it records by isinstance)."""
+    base = type(original)
+    cls = _LAYER_CLASSES.get(base)
+    if cls is None:
+        cls = type(f"Hwtune{base.__name__}", (HwtuneDecoderLayer, base), {"__module__": __name__})
+        _LAYER_CLASSES[base] = cls
+    return cls(original, routes)
+
+
 def unpatch(model) -> None:
     """Put back exactly the original modules (the same objects) and give every parameter that
     was a view of a fused weight its own storage again (same values)."""
@@ -750,6 +782,7 @@ def unpatch(model) -> None:
     if record is None:
         return
     for parent, name, original in reversed(record.swaps):
+        _move_hooks(getattr(parent, name), original)
         setattr(parent, name, original)
     for param in record.shared:
         param.data = param.data.clone()
