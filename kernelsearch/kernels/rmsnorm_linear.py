@@ -15,6 +15,13 @@ dominates (N x K against M x K + K), and the fused norm costs a few FMAs a loade
   after the loop (no cross-lane reduction per step). Rows are capped so that the product
   accumulator stays at <= 64 registers a thread (GEMV_ACC_PER_WARP). Weight loads carry
   evict_first (each byte is read once; x, re-read by every program, stays in L2).
+  PIPE=1 writes the K loop as a tl.range with num_stages, as in the linear_residual template:
+  triton software-pipelines it for sm_90 (16-byte cp.async of the weight, under an L2
+  evict_first policy, and of the x and norm_weight tiles into num_stages - 1 shared-memory
+  buffers ahead; a loop without tl.dot is left unpipelined otherwise). The sum of squares is
+  still taken from the x tile each step reads (now from shared memory): no extra load. PIPE=0
+  gives the tl.range num_stages=1: the PTX of the plain range loop before PIPE existed (every
+  gemv config compared for sm_90, less line numbers).
 - "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16; all
   32 rows of batch 32 in one program, so that the weight is streamed once). tl.dot is fed
   x * norm_weight cast back to the input dtype (what the stock path rounds too: the normalised
@@ -44,13 +51,35 @@ weight bytes and only a [BLOCK_K] norm_weight tile and the x^2 accumulator to ea
 Registers a thread: ptxas for sm_90 (triton 3.9, bf16, batch 1 / batch 32; linear's in
 brackets), no spills; an SM holds 64 K registers, allocated 8 a thread at a time, so 8 warps
 at <= 80 registers fit 3 programs and 4 warps at <= 80 fit 6. tests/test_kernel_rmsnorm_linear.py
-compiles G1 and D2 for sm_90 here and checks their weight loads are 16-byte vectors:
+compiles every gemv config and D2 for sm_90 here and checks their weight loads are 16-byte
+vectors (16-byte cp.async for P1, P2) and that nothing spills. Measured on the H200 (issue 13 run 1,
+L2 flushed, bench/results/h200-issue13): G1 19.3 us at 4096 -> 6144 (61% of copy), G2 22.7,
+G4 19.4; G1 262 us at lm_head 4096 -> 128256 (~93% of copy).
   G1 gemv 8x1024, 8 warps: 16 KB weight tile, 80 registers [79]: 3 programs per SM, 48 KB in
      flight per SM; 768 programs at q|k|v 6144 (1.9 rounds of 396), 16032 at lm_head. The
-     first guess for batch 1.
+     first guess for batch 1 (CONFIGS[0]), the winner of both batch-1 shapes in run 1.
   G2 gemv 8x512, 4 warps: 8 KB tile, 91 registers [79]: 5 per SM (linear: 6), 40 KB per SM.
-  G3 gemv 16x512: 16 KB tile, 163 registers [133]: 3 per SM, 48 KB; meant for the wide N
-     (lm_head: 8016 programs).
+     P1's tile and warps without the pipeline: what PIPE alone is worth.
+  PIPE=1 (as linear_residual's P configs, which took its 4096 x 4096 batch-1 call from 22.3 us
+  (R1, G1's tile) to 14.1 (P1) on the H200): the loaded tile no longer waits in registers
+  next to the accumulator, so bytes in flight come from the 227 KB of shared memory and stay
+  in flight while the program multiplies. An SM holds 228 KB of shared memory, 1 KB of it
+  reserved a program; resident programs = min(65536 / (registers x threads), 228 KB /
+  (shared + 1 KB)); bytes in flight an SM = resident x (num_stages - 1) x weight tile. Shared
+  memory a program = (BLOCK_N + 2) x BLOCK_K x 2 bytes x (num_stages - 1) at batch 1 (the
+  weight, x and norm_weight tiles; the weight goes 16 bytes a copy, x and norm_weight, from
+  L2, BLOCK_K / (32 x warps) values a thread: 8 bytes in P1, 4 in P2):
+  P1 gemv 8x512, 4 warps, PIPE, 4 stages: 8 KB tile, 72 registers, 30 KB shared: 7 resident,
+     3 tiles ahead = 168 KB in flight an SM; 768 programs at 6144 in one round of 924 (G1: 1.9
+     rounds of 396 at 48 KB). Aimed at q|k|v 4096 -> 6144 (and a candidate at lm_head).
+  P2 gemv 16x256, 4 warps, PIPE, 5 stages: 8 KB tile, 72 registers, 36 KB shared: 6 resident,
+     4 ahead = 192 KB an SM; aimed at lm_head 4096 -> 128256 (8016 programs, 10.1 rounds of 792):
+     16 rows a program halve the x and norm_weight bytes re-read from L2 into shared memory
+     per weight byte (1/8 instead of 1/4 at 8 rows) and 16 steps a program keep each pipeline
+     full longer between its prologue and drain.
+  (G3, gemv 16x512 at 4 warps, 163 registers: 3 per SM, 48 KB in flight, meant for lm_head,
+  is left out: P2 takes the wide-N role with four times the bytes in flight, and CONFIGS keeps
+  as many gemv entries as batch-32 ones (see "Order"). It remains a point of SPACE.)
   G4 gemv 16x256, split 2: 8 KB tile, 80 registers [79], 6 per SM; 768 programs at 6144, 576
      at Qwen's 4608: halves of K 2048 / 1792 long.
   G5 gemv 32x256, split 4, 8 warps: 16 KB tile, 80 registers [77], 3 per SM; 768 programs at
@@ -71,10 +100,12 @@ compiles G1 and D2 for sm_90 here and checks their weight loads are 16-byte vect
   D6 splitk 32x128x128, split 8, 8 warps: 40 KB a stage, 81 KB, 102 registers: 2 per SM, 384
      programs.
 Order: the grid strategy walks the domain in SPACE order (params sorted by name: BLOCK_K
-outermost, listed descending, then BLOCK_M ascending: 8 is gemv, 32 splitk); CONFIGS is listed
-in that order (the test holds it), so the gemv block comes first, then the batch-32 block, and
-a budget B >= 2 samples both (B = 2: G1, D2). CONFIGS[0] (G1) and the middle entry (D1) are
-what a caller without a dispatch table takes.
+outermost, listed descending, then BLOCK_M ascending: 8 is gemv, 32 splitk, then BLOCK_N,
+PIPE, REDUCE, SPLIT_K, num_stages, num_warps); CONFIGS is listed in that order (the test holds
+it): G1, G2, P1, G4, P2, G5, then D1..D6, six of each, so that a budget B takes B points evenly
+spread and B >= 2 samples both blocks (B = 2: G1, D1; B = 6, the bench's default: G1, P1, P2,
+D1, D3, D5). CONFIGS[0] (G1) and the middle entry (D1) are what a caller without a dispatch
+table takes.
 """
 from __future__ import annotations
 
@@ -88,8 +119,9 @@ SPACE = {
     "BLOCK_N": [4, 8, 16, 32, 64, 128, 256],
     "BLOCK_K": [1024, 512, 256, 128, 64],  # descending: see "Order" in the docstring
     "SPLIT_K": [1, 2, 4, 8, 16],
+    "PIPE": [0, 1],                    # gemv: the K loop pipelined over num_stages (cp.async)
     "num_warps": [4, 8],
-    "num_stages": [2, 3, 4],
+    "num_stages": [2, 3, 4, 5, 6],
     "REDUCE": ["last", "launch"],      # the last-arriving program, or a second kernel
 }
 
@@ -99,29 +131,34 @@ GEMV_MAX_ROWS = 8                      # gemv: BLOCK_M is a cap; more rows go to
 
 
 def _valid(p: dict) -> bool:
-    smem = (p["BLOCK_M"] * p["BLOCK_K"] + p["BLOCK_K"] * p["BLOCK_N"]) * 2 * p["num_stages"]
+    if p["variant"] == "gemv" and p["PIPE"]:
+        # num_stages - 1 buffers of the step's weight, x (BLOCK_M rows) and norm_weight tiles
+        smem = (p["BLOCK_N"] + p["BLOCK_M"] + 1) * p["BLOCK_K"] * 2 * (p["num_stages"] - 1)
+    else:
+        smem = (p["BLOCK_M"] * p["BLOCK_K"] + p["BLOCK_K"] * p["BLOCK_N"]) * 2 * p["num_stages"]
     if smem > SMEM_LIMIT_BYTES:
         return False
     if p["variant"] == "gemv":
         return (p["BLOCK_M"] == GEMV_MAX_ROWS and p["BLOCK_K"] >= 64
                 and p["BLOCK_N"] * p["BLOCK_K"] <= GEMV_ACC_PER_WARP * p["num_warps"])
-    return p["BLOCK_M"] >= 16 and p["BLOCK_K"] >= 64
+    return p["BLOCK_M"] >= 16 and p["BLOCK_K"] >= 64 and not p["PIPE"]
 
 
-def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last"):
+def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last", pipe=0):
     # One split (SPLIT_K=1) writes `out` directly: REDUCE is then unused.
     return {"variant": variant, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk,
-            "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
+            "PIPE": pipe, "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
 
 
 # Curated, not the product of SPACE; the docstring says why each entry is here and in what
-# order the grid strategy walks them (the list order, G1..D6).
+# order the grid strategy walks them (SPACE order, not by the docstring's names).
 CONFIGS = [
     # batch 1-8: the GEMV (rows per program = next power of two of M, at most 8)
     _cfg("gemv", 8, 8, 1024, 1, 8, 3),      # G1
     _cfg("gemv", 8, 8, 512, 1, 4, 3),       # G2
-    _cfg("gemv", 8, 16, 512, 1, 4, 3),      # G3
+    _cfg("gemv", 8, 8, 512, 1, 4, 4, pipe=1),   # P1
     _cfg("gemv", 8, 16, 256, 2, 4, 3),      # G4
+    _cfg("gemv", 8, 16, 256, 1, 4, 5, pipe=1),  # P2 (after G4: PIPE sorts before SPLIT_K)
     _cfg("gemv", 8, 32, 256, 4, 8, 3),      # G5
     # batch 9-64: tl.dot with all 32 rows in one program (the weight is streamed once)
     _cfg("splitk", 32, 32, 256, 1, 4, 3),   # D1
@@ -138,8 +175,8 @@ CONFIGS = [p for p in CONFIGS if _valid(p)]
 def _gemv_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K, split_steps, eps,
                  s_xm, s_xk, s_gk, s_wn, s_wk, s_cm, s_cn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DIRECT: tl.constexpr, EVEN_K: tl.constexpr, LAST_REDUCES: tl.constexpr,
-                 SPLITS: tl.constexpr, SQ_R: tl.constexpr):
+                 LOOP_STAGES: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
+                 LAST_REDUCES: tl.constexpr, SPLITS: tl.constexpr, SQ_R: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -165,7 +202,10 @@ def _gemv_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K, s
         x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
+    # LOOP_STAGES > 1 (PIPE=1): the compiler pipelines this loop (cp.async of the weight, x and
+    # norm_weight tiles into LOOP_STAGES - 1 shared-memory buffers ahead); 1: plain register
+    # loads, issued together, waited for each step.
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         # Each weight byte is read once: evict_first keeps x (re-read by every program) in L2.
         if EVEN_K:
             w = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -373,7 +413,7 @@ def _arrival_counters(device, n: int):
 
 
 def launch(x, norm_weight, weight, eps, out, variant="gemv", BLOCK_M=8, BLOCK_N=8, BLOCK_K=1024,
-           SPLIT_K=1, num_warps=8, num_stages=3, REDUCE="last"):
+           SPLIT_K=1, PIPE=0, num_warps=8, num_stages=3, REDUCE="last"):
     M, K = x.shape
     N, K2 = weight.shape
     if K2 != K or tuple(norm_weight.shape) != (K,) or tuple(out.shape) != (M, N):
@@ -412,7 +452,8 @@ def launch(x, norm_weight, weight, eps, out, variant="gemv", BLOCK_M=8, BLOCK_N=
             x.stride(0), x.stride(1), norm_weight.stride(0), weight.stride(0), weight.stride(1),
             out.stride(0), out.stride(1))
     if variant == "gemv":
-        _gemv_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DIRECT=direct,
+        _gemv_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                           LOOP_STAGES=num_stages if PIPE else 1, DIRECT=direct,
                            EVEN_K=even_k, LAST_REDUCES=last, SPLITS=splits,
                            SQ_R=max(1, min(8, BLOCK_K // (32 * num_warps))),
                            num_warps=num_warps, num_stages=num_stages)
