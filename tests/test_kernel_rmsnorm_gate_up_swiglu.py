@@ -1,6 +1,8 @@
 """The rmsnorm_gate_up_swiglu template: accepted by the trusted harness over the CPU sweep in each
-reduction path (Triton interpreter), split-K and direct paths agree, its CONFIGS are walked in
-list order, and its weight loads are 16-byte vectors in the sm_90 PTX."""
+reduction path and with the pipelined gemv loop (Triton interpreter), split-K and direct paths
+agree, its CONFIGS are walked in list order, its weight loads are 16-byte vectors (PIPE=0) or
+16-byte cp.async copies (PIPE=1) in the sm_90 PTX with nothing spilled, and PIPE=0 compiles to
+the PTX of a plain range loop."""
 from __future__ import annotations
 
 import json
@@ -23,9 +25,9 @@ def _template():
     return rmsnorm_gate_up_swiglu
 
 
-def _cfg(variant, bm, bn, bk, sk, warps=4, stages=3, reduce="last"):
+def _cfg(variant, bm, bn, bk, sk, warps=4, stages=3, reduce="last", pipe=0):
     return {"variant": variant, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk,
-            "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
+            "PIPE": pipe, "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
 
 
 def test_configs_are_listed_in_the_order_the_grid_strategy_walks_them():
@@ -59,9 +61,37 @@ def test_a_small_grid_search_tries_batch_1_and_batch_32_decode_configs(budget):
 
 def test_first_config_is_a_batch_1_gemv_and_the_middle_one_a_batch_32_dot():
     configs = _template().CONFIGS
-    assert configs[0]["variant"] == "gemv"
+    assert configs[0]["variant"] == "gemv" and not configs[0]["PIPE"]
     mid = configs[len(configs) // 2]
     assert mid["variant"] == "splitk" and mid["BLOCK_M"] >= 32
+
+
+def test_a_budget_of_6_tries_the_register_gemv_and_two_pipelined_ones_at_batch_1():
+    """The decode batch searches 6 points a shape: the measured best register-loading gemv
+    (4x512) stays the baseline, next to pipelined configs that must beat it."""
+    from kernelsearch.proposers import REGISTRY, allowed_from_configs
+
+    mod = _template()
+    seen: list[dict] = []
+    REGISTRY["grid"](mod.SPACE, lambda pts: seen.extend(pts) or [1.0] * len(pts), 6,
+                     random.Random(0), allowed=allowed_from_configs(mod.CONFIGS))
+    gemv = [p for p in seen if p["variant"] == "gemv"]
+    assert [p["PIPE"] for p in gemv] == [0, 1, 1], gemv
+    assert (gemv[0]["BLOCK_N"], gemv[0]["BLOCK_K"], gemv[0]["SPLIT_K"]) == (4, 512, 1)
+    assert all(p["num_stages"] >= 3 and p["SPLIT_K"] == 1 for p in gemv[1:]), gemv
+
+
+def test_pipelined_configs_are_gemv_only_and_fit_their_shared_memory():
+    mod = _template()
+    piped = [p for p in mod.CONFIGS if p["PIPE"]]
+    assert len(piped) >= 2 and all(p["variant"] == "gemv" for p in piped), piped
+    for p in piped:
+        # num_stages - 1 buffers of gate + up (2 BLOCK_N rows), x (8 rows at most), norm_weight
+        smem = (2 * p["BLOCK_N"] + 8 + 1) * p["BLOCK_K"] * 2 * (p["num_stages"] - 1)
+        assert p["num_stages"] >= 3 and smem <= 220 * 1024, p
+    assert not mod._valid(_cfg("splitk", 32, 16, 256, 1, pipe=1))  # tl.dot pipelines itself
+    assert mod._valid(_cfg("gemv", 8, 8, 1024, 1, warps=8, stages=4, pipe=1))  # 150 KB
+    assert not mod._valid(_cfg("gemv", 8, 8, 1024, 1, warps=8, stages=6, pipe=1))  # 250 KB
 
 
 def test_gemv_configs_keep_both_accumulators_within_64_registers_a_thread():
@@ -69,6 +99,31 @@ def test_gemv_configs_keep_both_accumulators_within_64_registers_a_thread():
         if p["variant"] == "gemv":
             assert 2 * p["BLOCK_N"] * p["BLOCK_K"] <= 2048 * p["num_warps"], p
             assert p["BLOCK_K"] >= 64, p  # 16-byte bf16 loads along K
+
+
+def test_launch_pipelines_the_gemv_loop_only_with_pipe(monkeypatch):
+    """PIPE=1: the K loop's LOOP_STAGES is num_stages; PIPE=0: 1 (the plain loop's code); the
+    kernel itself is recorded here, not run (what it compiles to: the PTX test)."""
+    import torch
+
+    mod = _template()
+    launched: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append(dict(kw, grid=grid))
+
+    monkeypatch.setattr(mod, "_gemv_kernel", Recorder())
+    x, nw, w = torch.randn(1, 64), torch.ones(64), torch.randn(2 * 12, 64)
+    out = torch.empty(1, 12)
+    for pipe in (0, 1):
+        mod.launch(x, nw, w, 1e-5, out, **_cfg("gemv", 8, 4, 32, 1, stages=4, pipe=pipe))
+    assert [k["LOOP_STAGES"] for k in launched] == [1, 4]
+    assert [k["num_stages"] for k in launched] == [4, 4]
+    with pytest.raises(ValueError, match="PIPE"):
+        mod.launch(x, nw, w, 1e-5, out, **_cfg("splitk", 32, 16, 32, 1, pipe=1))
+    with pytest.raises(ValueError, match="PIPE"):
+        mod.launch(x, nw, w, 1e-5, out, **_cfg("gemv", 8, 4, 32, 1, pipe=2))
 
 
 # Small tiles, few programs: the interpreter's time grows with the padded tile and the number of
@@ -79,6 +134,8 @@ HARNESS_CASES = {
     "gemv_direct": _cfg("gemv", 8, 16, 64, 1, warps=8),
     "gemv_split_last": _cfg("gemv", 8, 16, 32, 3, reduce="last"),
     "gemv_split_launch": _cfg("gemv", 8, 16, 32, 2, reduce="launch"),
+    "gemv_direct_pipelined": _cfg("gemv", 8, 16, 32, 1, stages=4, pipe=1),
+    "gemv_split_last_pipelined": _cfg("gemv", 8, 16, 32, 2, stages=3, reduce="last", pipe=1),
     "dot_direct": _cfg("splitk", 32, 16, 64, 1),
     "dot_split_last": _cfg("splitk", 32, 16, 32, 3, reduce="last"),
 }
@@ -170,9 +227,10 @@ def test_split_k_and_direct_paths_agree_and_counters_return_to_zero():
 
 
 _PTX_CHILD = r"""
-import json, re
+import importlib.util, json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from kernelsearch.kernels import rmsnorm_gate_up_swiglu as T
 
@@ -192,18 +250,63 @@ def ptx(fn, consts, warps, stages):
                     attrs={(i,): [["tt.divisibility", 16]] for i in div})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
-    return k.asm["ptx"]
+    return k.asm["ptx"], k.metadata.shared
+
+def ptxas(text):
+    with tempfile.TemporaryDirectory() as d:
+        f = os.path.join(d, "k.ptx")
+        open(f, "w").write(text)
+        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f, "-o",
+                            os.path.join(d, "k.o")], capture_output=True, text=True)
+        out = r.stdout + r.stderr
+        regs = re.search(r"Used (\d+) registers", out)
+        spills = re.search(r"(\d+) bytes spill stores", out)
+        return (int(regs.group(1)) if regs else None), (int(spills.group(1)) if spills else None)
+
+# the template's gemv with its K loop a plain range loop: what PIPE=0 must compile to
+LOOP = "tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES)"
+text = open(T.__file__).read()
+assert text.count(LOOP) == 1, "the gemv K loop is no longer the tl.range this test rewrites"
+tmp = tempfile.mkdtemp()
+path = os.path.join(tmp, "plain_gemv.py")
+open(path, "w").write(text.replace(LOOP, "range(k_lo, k_hi, BLOCK_K)"))
+spec = importlib.util.spec_from_file_location("plain_gemv", path)
+P = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(P)
 
 # split into 2 (the runtime split offset) with the last-arriving reduction: the hardest case
-common = dict(EVEN_K=True, DIRECT=False, LAST_REDUCES=True, SPLITS=2)
+split = dict(EVEN_K=True, DIRECT=False, LAST_REDUCES=True, SPLITS=2)
+direct = dict(EVEN_K=True, DIRECT=True, LAST_REDUCES=False, SPLITS=1)
 out = {}
-for name, bn, bk, warps in [("G1", 4, 1024, 4), ("G3", 8, 512, 4)]:
-    p = ptx(T._gemv_kernel, dict(common, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk), warps, 3)
-    out[name] = {"v4_evict_first": len(re.findall(r"ld\.global[\w.:]*evict_first[\w.:]*\.v4\.b32", p)),
+# (name, BLOCK_N, BLOCK_K, warps, num_stages, PIPE, path)
+for name, bn, bk, warps, stages, pipe, c in [("G2", 4, 512, 4, 3, 0, split),
+                                             ("G4", 8, 256, 4, 3, 0, split),
+                                             ("P1", 4, 512, 4, 4, 1, direct),
+                                             ("P3", 4, 256, 4, 6, 1, direct),
+                                             ("P1_split", 4, 512, 4, 4, 1, split)]:
+    consts = dict(c, BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, LOOP_STAGES=stages if pipe else 1)
+    p, shared = ptx(T._gemv_kernel, consts, warps, stages)
+    regs, spills = ptxas(p)
+    per_step = 2 * bn * bk * 2 // 16 // (32 * warps)  # 16-byte gate and up pieces a thread
+    out[name] = {"pipe": pipe, "stages": stages, "regs": regs, "spills": spills, "shared": shared,
+                 "per_step": per_step, "tile": 2 * bn * bk * 2,
+                 "v4_evict_first": len(re.findall(r"ld\.global[\w.:]*evict_first[\w.:]*\.v4\.b32", p)),
                  "b16": len(re.findall(r"ld\.global[\w.:]*\.b16\b", p)),
-                 "expected_v4": 2 * bn * bk * 2 // 16 // (32 * warps)}
-p = ptx(T._splitk_kernel, dict(common, BLOCK_M=32, BLOCK_N=16, BLOCK_K=256, UPCAST=False,
-                               DOT_PRECISION="tf32", RED_M=32), 4, 3)
+                 "weight_cp_16": len(re.findall(r"cp\.async\.cg\.shared\.global\.L2::cache_hint[^;]*0x10", p)),
+                 "weight_cp_narrow": len(re.findall(r"cp\.async[.\w]*\.L2::cache_hint(?![^;]*0x10)[^;]*;", p)),
+                 "cp_async": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", p)),
+                 "evict_first_policy": "createpolicy.fractional.L2::evict_first" in p}
+same = []
+for bm, c in [(1, direct), (1, split), (2, dict(direct, EVEN_K=False))]:
+    consts = dict(c, BLOCK_M=bm, BLOCK_N=4, BLOCK_K=512, LOOP_STAGES=1)
+    same.append(ptx(T._gemv_kernel, consts, 4, 3)[0] == ptx(P._gemv_kernel, consts, 4, 3)[0])
+out["pipe0_is_plain_range"] = same
+# the control: the comparison sees a pipelined loop (LOOP_STAGES 3: cp.async buffers)
+consts = dict(direct, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512)
+out["pipelined_differs"] = (ptx(T._gemv_kernel, dict(consts, LOOP_STAGES=3), 4, 3)[0]
+                            != ptx(P._gemv_kernel, dict(consts, LOOP_STAGES=1), 4, 3)[0])
+p = ptx(T._splitk_kernel, dict(split, BLOCK_M=32, BLOCK_N=16, BLOCK_K=256, UPCAST=False,
+                               DOT_PRECISION="tf32", RED_M=32), 4, 3)[0]
 out["D1"] = {"cp16_evict": len(re.findall(r"cp\.async\.cg\.shared\.global\.L2::cache_hint[^;]*0x10", p)),
              "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*0x10", p)),
              "b16": len(re.findall(r"ld\.global[\w.:]*\.b16\b", p)),
@@ -215,20 +318,36 @@ print(json.dumps(out))
 def test_weight_loads_are_16_byte_vectors_in_the_sm90_ptx():
     """As linear's: the runtime split offset must leave the compiler proof that k_lo is a
     multiple of BLOCK_K, and the up rows' offset (I + row) x row stride must stay 16-byte
-    aligned; compiled for sm_90 here, no GPU needed (ptxas ships with triton)."""
+    aligned. PIPE=0: evict_first ld.global.v4, no cp.async; PIPE=1: the weight as 16-byte
+    cp.async copies under an L2 evict_first policy (x and norm_weight, from L2, may go narrower),
+    nothing spilled, and PIPE=0 compiles to the PTX of a plain range loop (line info off).
+    Compiled for sm_90 here, no GPU needed (ptxas ships with triton)."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1", TRITON_DISABLE_LINE_INFO="1")
     proc = subprocess.run([sys.executable, "-c", _PTX_CHILD], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("no ptxas in this triton install")
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name in ("G1", "G3"):
-        # every gate and up weight byte of a step in one 16-byte evict_first load, none narrower
+    assert counts["pipe0_is_plain_range"] == [True, True, True], counts["pipe0_is_plain_range"]
+    assert counts["pipelined_differs"]
+    for name in ("G2", "G4", "P1", "P3", "P1_split"):
         c = counts[name]
-        assert c["v4_evict_first"] == c["expected_v4"] and c["b16"] == 0, (name, c)
+        assert c["spills"] == 0 and c["regs"] is not None, (name, c)
+        assert c["b16"] == 0, (name, c)  # no 2-byte weight (or x) loads
+        if not c["pipe"]:
+            # every gate and up weight byte of a step in one 16-byte evict_first load
+            assert c["v4_evict_first"] == c["per_step"] and c["cp_async"] == 0, (name, c)
+        else:
+            # the weight streams through shared memory: 16-byte copies, num_stages - 1 steps
+            # ahead plus the one in the loop, none narrower, none loaded into registers
+            assert c["weight_cp_16"] >= c["per_step"] * c["stages"], (name, c)
+            assert c["weight_cp_narrow"] == 0 and c["v4_evict_first"] == 0, (name, c)
+            assert c["evict_first_policy"], (name, c)
+            # num_stages - 1 shared-memory buffers of the weight tile (and x, norm_weight)
+            assert c["shared"] >= (c["stages"] - 1) * c["tile"], (name, c)
     d = counts["D1"]
     # per stage and thread: 8 x 16 B of weight (evict_first), 8 x 16 B of x; 2 stages ahead + 1
     assert d["cp16_evict"] >= 16 and d["cp16"] >= 32 and d["b16"] == 0 and d["mma"] > 0, d

@@ -28,7 +28,12 @@ Variants:
   loads (each byte is read once; x, re-read by every program, stays in L2); the split offset
   is split_steps x BLOCK_K with split_steps a runtime int, so the compiler knows k_lo is a
   multiple of BLOCK_K (16-byte loads along K). The two accumulators together are capped at
-  64 registers a thread (GEMV_ACC_PER_WARP); rows are cut to fit.
+  64 registers a thread (GEMV_ACC_PER_WARP); rows are cut to fit. PIPE=1 writes the K loop as
+  a tl.range with num_stages (as linear_residual.py's gemv): the compiler then streams the
+  gate, up, x and norm_weight tiles through num_stages - 1 shared-memory buffers with cp.async
+  (the weight's 16-byte, under an L2 evict_first policy); the sum of squares is still taken from
+  the x tile the step multiplies. PIPE=0 compiles to the code of a plain range loop (the test
+  compares the PTX).
 - "splitk" (batch 9-64): two tl.dots (gate, up) on the normed x tile, all rows of the batch
   in one program (padded to at least 16, BLOCK_M >= 32) so that the weight is streamed once.
   The normed x goes to the dot in the weight's dtype (bf16 on the GPU, as the stock path's
@@ -47,17 +52,37 @@ much as linear's one); at 4096 -> 28672 and batch 1 linear's gemv reached 96-97%
 bandwidth (bench/results/h200-issue12b/run2-linear.txt). BLOCK_N >= 4: every program re-reads
 its x tile from L2, 1 / (2 BLOCK_N) of its weight bytes. Registers a thread: ptxas for sm_90
 (triton 3.9 here, batch 1, bf16), no spills; the norm's sum of squares costs a few more than
-linear (BLOCK_K / lanes fp32 a thread). The GEMV loop is not software-pipelined (num_stages
-changes nothing for gemv: its configs all say 3), so bytes in flight = resident programs x tile:
-  G1 gemv 4x1024, 4 warps: 16 KB tile, 126 registers: 4 programs an SM, 64 KB in flight an
-     SM; 3584 programs. The first guess for batch 1 (1 row a program within 64 accumulator
-     registers: batch 2-8 is G2-G4's).
+linear (BLOCK_K / lanes fp32 a thread). Resident programs an SM = min(65536 / (registers
+rounded up to 8 x threads), 227 KB / shared memory); bytes in flight an SM = resident x tile
+(PIPE=0: a register-loading program issues one step's loads together and has nothing in
+flight while it multiplies) or resident x (num_stages - 1) x tile (PIPE=1: the buffers ahead
+stay in flight while it multiplies). Measured at 4096 -> 28672, batch 1 (H200, L2 flushed,
+bench/results/h200-issue13): G2 64.5 us (86% of copy), G1 (4x1024, 126 registers, 4 an SM,
+64 KB) 66.0, G4 68.8. Register loading tops out there: the tile lands in registers beside its
+fp32 accumulators, so about a third of the register file is in flight at best. linear_residual's
+PIPE=1 gemv (8 weight rows x 512, 4 stages: the tile P1 has) took 14.1 us at 4096 x 4096
+against 22.3 for its register-loading first guess (same run), hence P1-P3:
   G2 gemv 4x512, 4 warps: 8 KB tile, 89 registers, 5 an SM, 40 KB (linear's 8x512 tile, its
-     best at 4096 -> 28672: 97%); 2 rows a program at batch 2-8.
-  G3 gemv 8x512, 4 warps: 16 KB tile, 161 registers, 3 an SM, 48 KB; 1792 programs.
+     best at 4096 -> 28672: 97%); 3584 programs; 2 rows a program at batch 2-8. The best
+     measured register-loading config at batch 1: the baseline P1-P3 must beat.
+  P1 gemv 4x512, 4 warps, PIPE, 4 stages: 8 KB tile, 80 registers, 30 KB shared (3 buffers of
+     8 KB weight + 1 KB x + 1 KB norm_weight): 6 an SM, 3 tiles ahead = 144 KB in flight an
+     SM; 3584 programs. linear_residual's winning P1 with gate and up rows: the first guess
+     to beat G2's 86% of copy at batch 1.
+  P2 gemv 4x512, 4 warps, PIPE, 5 stages: 80 registers, 40 KB shared: 5 an SM (shared memory),
+     4 ahead = 160 KB.
+  P3 gemv 4x256, 4 warps, PIPE, 6 stages: 4 KB tile, 56 registers, 25 KB shared: 8 an SM
+     (9 by registers, but 9 x (25 + 1 reserved) KB exceeds the SM's 228), 5 ahead = 160 KB;
+     3584 programs, 16 steps each at K = 4096 (the pipeline's prologue and drain a smaller
+     share of each program); 4 rows a program at batch 2-8.
+     At 2 rows (P1, P2) and 4 rows (P3) a program: 116 / 107 registers, no spills.
   G4 gemv 8x256, split 2 (last), 4 warps: 8 KB tile, 88 registers, 5 an SM, 40 KB; 3584
      programs with K in halves; the partials (2 splits x 2 x I x 4 B, 0.2% of the weight)
      for shapes with few N tiles.
+  (Left out for P1-P3, so that the gemv block stays as long as the batch-32 one (see Order):
+  G1 gemv 4x1024 (slower than G2 at the one shape measured, and a ragged last step at Qwen's
+  K = 3584) and G3 gemv 8x512 (161 registers, 3 an SM, 48 KB; never sampled by a budget of 6).
+  Both take 1 row a program; both remain points of SPACE for a search that wants them.)
   Batch 32 (tl.dot, mma.sync; x and weight tiles pipelined by cp.async into num_stages - 1
   shared-memory buffers, the size triton 3.9 allocated for sm_90; 227 KB an SM). A stage holds
   the x tile (32 x BLOCK_K) and the weight tile (2 x BLOCK_N rows). One split: the wide 2I
@@ -71,11 +96,12 @@ changes nothing for gemv: its configs all say 3), so bytes in flight = resident 
   D4 splitk 32x16x128, 4 stages: 8 + 8 KB a stage, 48 KB, 125 registers: 4 an SM; 896.
   D5 splitk 32x32x128, 4 stages: 8 + 16 KB a stage, 72 KB, 140 registers: 3 an SM; 448.
 Order: the grid strategy walks the domain in SPACE order (params sorted by name: BLOCK_K
-outermost, listed descending, then BLOCK_M ascending: 8 is gemv, 32 splitk) and under a budget
-B takes B points evenly spread over it. CONFIGS is listed in that order (the test holds it):
-the gemv block first, then the batch-32 block, so any B >= 2 samples both (B = 2: G1, D1;
-B = 4: G1, G3, D1, D3; B = 6: G1, G2, G4, D1, D3, D4). CONFIGS[0] (G1) and the middle entry
-(D1) are what a caller without a dispatch table takes.
+outermost, listed descending, then BLOCK_M ascending: 8 is gemv, 32 splitk, then BLOCK_N,
+PIPE, REDUCE, SPLIT_K, num_stages, num_warps) and under a budget B takes B points evenly spread
+over it. CONFIGS is listed in that order (the test holds it): the gemv block first, then the
+batch-32 block, as many of each (5), so any B >= 2 samples both and B >= 6 at least 3 of each
+(B = 2: G2, D1; B = 4: G2, P2, D1, D3; B = 6: G2, P1, P3, D1, D2, D4; B = 10: all).
+CONFIGS[0] (G2) and the middle entry (D1) are what a caller without a dispatch table takes.
 """
 from __future__ import annotations
 
@@ -89,8 +115,9 @@ SPACE = {
     "BLOCK_N": [2, 4, 8, 16, 32, 64],   # gate rows per program (and as many up rows)
     "BLOCK_K": [1024, 512, 256, 128, 64, 32],  # descending: see "Order" in the docstring
     "SPLIT_K": [1, 2, 4, 8],
+    "PIPE": [0, 1],                     # gemv: the K loop pipelined over num_stages (cp.async)
     "num_warps": [4, 8],
-    "num_stages": [2, 3, 4],
+    "num_stages": [2, 3, 4, 5, 6],
     "REDUCE": ["last", "launch"],       # the last-arriving program, or a second kernel
 }
 
@@ -100,30 +127,33 @@ GEMV_MAX_ROWS = 8                       # gemv: BLOCK_M is a cap; more rows go t
 
 
 def _valid(p: dict) -> bool:
-    smem = (p["BLOCK_M"] * p["BLOCK_K"] + 2 * p["BLOCK_N"] * p["BLOCK_K"]) * 2 * p["num_stages"]
-    if smem > SMEM_LIMIT_BYTES:
-        return False
     if p["variant"] == "gemv":
-        return (p["BLOCK_M"] == GEMV_MAX_ROWS and p["BLOCK_K"] >= 64
+        # PIPE: num_stages - 1 buffers of a step's gate and up, x and norm_weight tiles (bf16)
+        smem = ((2 * p["BLOCK_N"] + p["BLOCK_M"] + 1) * p["BLOCK_K"] * 2 * (p["num_stages"] - 1)
+                if p["PIPE"] else 0)
+        return (p["BLOCK_M"] == GEMV_MAX_ROWS and p["BLOCK_K"] >= 64 and smem <= SMEM_LIMIT_BYTES
                 and 2 * p["BLOCK_N"] * p["BLOCK_K"] <= GEMV_ACC_PER_WARP * p["num_warps"])
-    # tl.dot: at least 16 rows and 16 columns a dot
-    return p["BLOCK_M"] >= 16 and p["BLOCK_N"] >= 16 and p["BLOCK_K"] >= 64
+    smem = (p["BLOCK_M"] * p["BLOCK_K"] + 2 * p["BLOCK_N"] * p["BLOCK_K"]) * 2 * p["num_stages"]
+    # tl.dot: at least 16 rows and 16 columns a dot; the compiler pipelines it itself (no PIPE)
+    return (p["BLOCK_M"] >= 16 and p["BLOCK_N"] >= 16 and p["BLOCK_K"] >= 64 and not p["PIPE"]
+            and smem <= SMEM_LIMIT_BYTES)
 
 
-def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last"):
+def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last", pipe=0):
     # One split (SPLIT_K=1) writes `out` directly: REDUCE is then unused.
     return {"variant": variant, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk,
-            "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
+            "PIPE": pipe, "num_warps": warps, "num_stages": stages, "REDUCE": reduce}
 
 
 # Curated, not the product of SPACE; the docstring says why each entry is here and in what
-# order the grid strategy walks them (the list order, G1..D5).
+# order the grid strategy walks them (the list order).
 CONFIGS = [
     # batch 1-8: the GEMV (rows per program = next power of two of M, at most 8)
-    _cfg("gemv", 8, 4, 1024, 1, 4, 3),      # G1
-    _cfg("gemv", 8, 4, 512, 1, 4, 3),       # G2
-    _cfg("gemv", 8, 8, 512, 1, 4, 3),       # G3
-    _cfg("gemv", 8, 8, 256, 2, 4, 3),       # G4
+    _cfg("gemv", 8, 4, 512, 1, 4, 3),            # G2
+    _cfg("gemv", 8, 4, 512, 1, 4, 4, pipe=1),    # P1
+    _cfg("gemv", 8, 4, 512, 1, 4, 5, pipe=1),    # P2
+    _cfg("gemv", 8, 4, 256, 1, 4, 6, pipe=1),    # P3
+    _cfg("gemv", 8, 8, 256, 2, 4, 3),            # G4
     # batch 9-64: two tl.dots with all 32 rows in one program (the weight is streamed once)
     _cfg("splitk", 32, 16, 256, 1, 4, 3),   # D1
     _cfg("splitk", 32, 16, 256, 2, 4, 3),   # D2
@@ -146,8 +176,8 @@ def _rms_swiglu(g, u, ss, K, eps):
 def _gemv_kernel(x_ptr, nw_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, I, K, split_steps, eps,
                  s_xm, s_xk, s_nk, s_wn, s_wk, s_cm, s_cn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DIRECT: tl.constexpr, EVEN_K: tl.constexpr, LAST_REDUCES: tl.constexpr,
-                 SPLITS: tl.constexpr):
+                 LOOP_STAGES: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
+                 LAST_REDUCES: tl.constexpr, SPLITS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -175,7 +205,10 @@ def _gemv_kernel(x_ptr, nw_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, I, K, 
         acc3_g = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc3_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
+    # LOOP_STAGES > 1: the compiler pipelines this loop (cp.async of the weight, x and norm_weight
+    # tiles into LOOP_STAGES - 1 shared-memory buffers ahead); 1: plain register loads, issued
+    # together, waited for each step (the code of a plain range loop).
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         # Each weight byte is read once: evict_first keeps x (re-read by every program) in L2.
         if EVEN_K:
             wg = tl.load(wg_ptrs, eviction_policy="evict_first")
@@ -404,7 +437,7 @@ def _arrival_counters(device, n: int):
 
 
 def launch(x, norm_weight, weight, eps, out, variant="gemv", BLOCK_M=8, BLOCK_N=4, BLOCK_K=1024,
-           SPLIT_K=1, num_warps=4, num_stages=3, REDUCE="last"):
+           SPLIT_K=1, PIPE=0, num_warps=4, num_stages=3, REDUCE="last"):
     M, K = x.shape
     two_i, K2 = weight.shape
     I = two_i // 2
@@ -421,6 +454,8 @@ def launch(x, norm_weight, weight, eps, out, variant="gemv", BLOCK_M=8, BLOCK_N=
         raise ValueError(f"unknown rmsnorm_gate_up_swiglu variant {variant!r}")
     if REDUCE not in ("launch", "last"):
         raise ValueError(f"unknown rmsnorm_gate_up_swiglu REDUCE {REDUCE!r}")
+    if PIPE not in (0, 1) or (variant == "splitk" and PIPE):
+        raise ValueError(f"rmsnorm_gate_up_swiglu PIPE={PIPE!r}: 0 or 1, and 0 for splitk")
     eps = float(eps)
     even_k = K % BLOCK_K == 0
     rows = triton.next_power_of_2(M)
@@ -447,7 +482,8 @@ def launch(x, norm_weight, weight, eps, out, variant="gemv", BLOCK_M=8, BLOCK_N=
             out.stride(0), out.stride(1))
     if variant == "gemv":
         _gemv_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                           DIRECT=direct, EVEN_K=even_k, LAST_REDUCES=last, SPLITS=splits,
+                           LOOP_STAGES=num_stages if PIPE else 1, DIRECT=direct, EVEN_K=even_k,
+                           LAST_REDUCES=last, SPLITS=splits,
                            num_warps=num_warps, num_stages=num_stages)
     else:
         upcast, precision = _dot_args(x)
