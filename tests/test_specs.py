@@ -105,6 +105,21 @@ def test_compare_never_passes_nan_and_names_unwritten_output():
     assert problem.guard == "correctness" and "row 0" in problem.reason
 
 
+def test_compare_counts_float32_subnormals_as_zero_and_nothing_larger():
+    # silu(-100) * 1e3: 3.7e-39 in the fp64 reference, -0 in an fp32 kernel (exp(100) = inf)
+    gate = torch.tensor([[-100.0], [-80.0], [2.0]], dtype=torch.float64)
+    ref = gate * torch.sigmoid(gate) * 1e3
+    out = (gate.float() / (1 + torch.exp(-gate.float()))) * 1e3
+    assert out[0, 0] == 0 and ref[0, 0] != 0
+    assert compare.compare("out", out, ref, 1e-4)[1] is None
+    wrong = out.clone()
+    wrong[0, 0] = 1e-30  # normal in fp32: not forgiven
+    assert compare.compare("out", wrong, ref, 1e-4)[1].guard == "correctness"
+    wrong = out.clone()
+    wrong[1, 0] = 0.0  # -80 -> -1.4e-30, a normal fp32 value: must be written
+    assert "row 1" in compare.compare("out", wrong, ref, 1e-4)[1].reason
+
+
 def test_linear_cuda_sweep_holds_llama3_8b_decode_projections_at_batch_1_and_32():
     shapes = SPECS["linear"].shapes("cuda")
     for m in (1, 32):
