@@ -16,6 +16,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "kernelsearch" / "kernels" / "rmsnorm_linear.py"
 
+def _triton_version() -> tuple[int, int]:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return tuple(int(p) for p in version("triton").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return (0, 0)
+
+
+# Read from sm_90 PTX on 2026-12-04: triton 3.9 gives the pipelined weight copies (cp.async,
+# 16 bytes) an L2 evict_first cache policy; triton 3.6 (the H200's) pipelines the same loop
+# into 16-byte cp.async as well but drops the policy. Older versions: the policy is not required.
+CP_ASYNC_KEEPS_L2_POLICY = _triton_version() >= (3, 9)
+
 
 def _template():
     from kernelsearch.kernels import rmsnorm_linear  # defines kernels only: no launch, no interpreter needed
@@ -280,8 +293,9 @@ def test_weight_loads_are_16_byte_vectors_in_the_sm90_ptx_and_nothing_spills():
             if p["BLOCK_K"] >= 1024:
                 assert c["b16"] == 0, (p, c)
         else:  # the pipelined loop streams the weight through shared memory
-            assert c["weight_cp16"] >= 4 and c["weight_cp_narrow"] == 0 and c["ef"] == 0, (p, c)
-            assert c["evict_first_policy"], (p, c)
+            assert c["cp16"] >= 4 and c["weight_cp_narrow"] == 0 and c["ef"] == 0, (p, c)
+            if CP_ASYNC_KEEPS_L2_POLICY:
+                assert c["weight_cp16"] >= 4 and c["evict_first_policy"], (p, c)
             # num_stages - 1 buffers of the weight, x and norm_weight tiles (batch 1)
             want = (p["BLOCK_N"] + 2) * p["BLOCK_K"] * 2 * (p["num_stages"] - 1)
             assert want <= c["shared"] <= want + 1024, (p, c)
