@@ -17,7 +17,7 @@ what=${1:-search}; table=${2:-}
 { date -u; echo "commit ${COMMIT:-unknown} mode $what"; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit,persistence_mode --format=csv
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"; } > "$OUT/env.txt" 2>&1
 hf_rows() {
-  timeout 320 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
+  timeout ${HF_S:-320} python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
       --shapes 1x2048,32x2048 --variants hf-eager,hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 300 \
       --steps 32 --warmup 4 --check 4 --energy-window-s 2 --table "$1" --out "$OUT/hf" > "$OUT/hf.log" 2>&1
   echo "bench rc=$?" >> "$OUT/hf.log"
@@ -51,7 +51,7 @@ bench)
       --shapes 1x2048,32x2048 --variants graphed,compile,tuned-unfused,tuned --budget-s 240 \
       --energy-window-s 2 --table "$table" --out "$OUT/builtin" > "$OUT/builtin.log" 2>&1
   echo "bench rc=$?" >> "$OUT/builtin.log"
-  timeout 320 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
+  timeout ${HF_S:-320} python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
       --shapes 1x2048,32x2048 --variants hf-eager,hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 300 \
       --steps 32 --warmup 4 --check 4 --energy-window-s 2 --table "$table" --out "$OUT/hf" > "$OUT/hf.log" 2>&1
   echo "bench rc=$?" >> "$OUT/hf.log"
