@@ -136,8 +136,12 @@ def _cases(kernel, mod):
                    dict(HEADS_PER_PROG=32, num_warps=8)]
     else:
         shapes = [(2, 4, 2, 50, 16), (1, 6, 2, 130, 24), (3, 2, 2, 33, 32), (1, 8, 1, 16, 8)]
+        # REDUCE="last": the split program that arrives last combines (one split, some, more
+        # splits than the shortest sequence has chunks: empty splits arrive too)
         configs = [dict(BLOCK_S=16, NUM_SPLITS=1), dict(BLOCK_S=32, NUM_SPLITS=4),
-                   dict(BLOCK_S=16, NUM_SPLITS=64)]
+                   dict(BLOCK_S=16, NUM_SPLITS=64), dict(BLOCK_S=16, NUM_SPLITS=1, REDUCE="last"),
+                   dict(BLOCK_S=16, NUM_SPLITS=4, REDUCE="last"),
+                   dict(BLOCK_S=16, NUM_SPLITS=64, REDUCE="last")]
 
     for shape, params, dtype in itertools.chain(
             ((s, p, torch.float32) for s in shapes for p in configs),
