@@ -5,7 +5,8 @@
 #   bench/issue13_gpu.sh bench TABLE     built-in rows (graphed, compile, tuned-unfused, tuned) and
 #                                        hf-llama rows (eager, compiled, hwtune-unfused, hwtune)
 #   bench/issue13_gpu.sh gaps TABLE      the built-in step's gap breakdown + GPU tests
-#   bench/issue13_gpu.sh A               search, then the hf-llama rows on that table
+#   bench/issue13_gpu.sh A               search (decode attention deeper first), then the hf-llama
+#                                        rows on that table
 #   bench/issue13_gpu.sh B TABLE         the built-in rows (no compile row), the gap breakdown, GPU tests
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
@@ -25,8 +26,13 @@ hf_rows() {
 }
 case "$what" in
 A)
+  # decode attention first, deeper (its grid is twice the size with REDUCE), then every other call
+  timeout ${ATTN_S:-120} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels decode_attention --budget-s ${ATTN_BUDGET:-100} --evals ${ATTN_EVALS:-40} \
+      --json "$OUT/search-attention.json" > "$OUT/search.log" 2>&1
+  echo "attention search rc=$?" >> "$OUT/search.log"
   timeout ${SEARCH_S:-300} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
-      --budget-s ${BUDGET:-260} --evals ${EVALS:-14} --json "$OUT/search.json" > "$OUT/search.log" 2>&1
+      --budget-s ${BUDGET:-260} --evals ${EVALS:-14} --json "$OUT/search.json" >> "$OUT/search.log" 2>&1
   echo "search rc=$?" >> "$OUT/search.log"
   cp $ST/dispatch/*.json "$OUT/dispatch.json" 2>/dev/null
   hf_rows "$OUT/dispatch.json" ;;

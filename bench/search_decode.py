@@ -2,6 +2,7 @@
 Hugging Face Llama (Llama-3-8B dimensions), in one pass, before any model is measured.
 
     python3 bench/search_decode.py --state-dir DIR --shapes 1x2048,32x2048 --budget-s 500 --evals 4
+    python3 bench/search_decode.py --state-dir DIR --kernels decode_attention --evals 40   # one, deeper
 
 The one judge is kernelsearch.search (through daemon.bench.autotable.ensure_table): this script
 only lists the (kernel, shape) pairs the two decode steps look up and hands them over, so that
@@ -50,11 +51,20 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--json", help="write the per-shape results here")
+    ap.add_argument("--kernels", help="only these kernels (comma-separated), e.g. a deeper search "
+                                      "of one kernel before the rest")
     args = ap.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     from daemon.bench.autotable import ensure_table
 
     calls = decode_calls(shapes, args.layers)
+    if args.kernels:
+        wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
+        unknown = sorted(set(wanted) - set(calls))
+        if unknown:
+            ap.error(f"--kernels: {', '.join(unknown)} not among the decode calls "
+                     f"({', '.join(sorted(calls))})")
+        calls = {k: v for k, v in calls.items() if k in wanted}
     print(f"decode calls: {sum(len(v) for v in calls.values())} (kernel, shape) pairs over "
           f"{', '.join(sorted(calls))}", flush=True)
     details: list = []
