@@ -14,22 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import CP_ASYNC_KEEPS_L2_POLICY
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = "rmsnorm_gate_up_swiglu"
 TEMPLATE = ROOT / "kernelsearch" / "kernels" / f"{KERNEL}.py"
 
-def _triton_version() -> tuple[int, int]:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return tuple(int(p) for p in version("triton").split(".")[:2])
-    except (PackageNotFoundError, ValueError):
-        return (0, 0)
-
-
-# Read from sm_90 PTX on 2026-12-04: triton 3.9 gives the pipelined weight copies (cp.async,
-# 16 bytes) an L2 evict_first cache policy; triton 3.6 (the H200's) pipelines the same loop
-# into 16-byte cp.async as well but drops the policy. Older versions: the policy is not required.
-CP_ASYNC_KEEPS_L2_POLICY = _triton_version() >= (3, 9)
 
 
 def _template():
