@@ -86,7 +86,8 @@ class DeadlineExecutor:
 
 def time_fn(fn, spec, shape, dtype, device: str, gen, graphed: bool = True) -> dict:
     """fn(inputs) -> outputs, timed as the harness times stock (executor.stock): n calls per
-    replay, each on its own input set, refreshed and L2 flushed between replays, median per call.
+    replay, each on its own input set (the spec's timed_inputs), refreshed and L2 flushed
+    between replays, median per call.
     graphed=False: the same replays as plain launches (the host's launch cost counts)."""
     import torch
 
@@ -94,9 +95,9 @@ def time_fn(fn, spec, shape, dtype, device: str, gen, graphed: bool = True) -> d
 
     cuda = device.startswith("cuda")
     dist = spec.distributions_for(dtype)[0]
-    sets = [spec.make_inputs(shape, dtype, device, gen, dist)]
+    sets = [spec.timed_inputs(spec.make_inputs(shape, dtype, device, gen, dist))]
     n = timing.calls_per_replay(timing.eager_ms(lambda: fn(sets[0])), 20) if cuda else 1
-    sets += [spec.make_inputs(shape, dtype, device, gen, dist) for _ in range(n - 1)]
+    sets += [spec.timed_inputs(spec.make_inputs(shape, dtype, device, gen, dist)) for _ in range(n - 1)]
 
     def run_all():
         for s in sets:
@@ -104,7 +105,7 @@ def time_fn(fn, spec, shape, dtype, device: str, gen, graphed: bool = True) -> d
 
     def refresh(rep):
         for s in sets:
-            for k, v in spec.make_inputs(shape, dtype, device, gen, dist).items():
+            for k, v in spec.timed_inputs(spec.make_inputs(shape, dtype, device, gen, dist)).items():
                 if isinstance(s[k], torch.Tensor):
                     s[k].copy_(v)
 

@@ -1,10 +1,14 @@
 """SQLite ledger: every attempt is a row, kept or not.
 
-One row per (candidate, shape): kernel, dtype, shape, the candidate (template params as JSON
-and/or the source file's hash), the verdict (accepted, guard, reason), candidate / stock
-times and noise band, the device fingerprint and the code version the numbers came from.
+Table `attempts`, one row per (candidate, shape): kernel, dtype, shape, the candidate (template
+params as JSON and/or the source file's hash), the verdict (accepted, guard, reason), candidate /
+stock times and noise band, the device fingerprint and the code version the numbers came from.
 `--resume` skips a (kernel, dtype, shape, source hash, params, fingerprint, code version)
 already in the ledger. Non-finite times are stored as NULL and read back as inf.
+
+Table `searches`, one row per (kernel, dtype, shape) of a search that ran to its end (its
+winners merged into the dispatch table): attempts alone do not say that a shape was searched,
+since a search killed half-way leaves them too.
 """
 from __future__ import annotations
 
@@ -48,6 +52,19 @@ CREATE TABLE IF NOT EXISTS attempts (
 );
 CREATE INDEX IF NOT EXISTS attempts_identity
     ON attempts (kernel, dtype, shape, source_hash, params, fingerprint, code_version);
+CREATE TABLE IF NOT EXISTS searches (
+    id INTEGER PRIMARY KEY,
+    run_id TEXT NOT NULL,
+    kernel TEXT NOT NULL,
+    dtype TEXT NOT NULL,
+    shape TEXT NOT NULL,
+    strategy TEXT NOT NULL,
+    budget INTEGER NOT NULL,
+    source_hash TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    code_version TEXT NOT NULL,
+    finished_at REAL NOT NULL
+);
 """
 
 COLUMNS = ("run_id", "kernel", "dtype", "shape", "strategy", "source", "source_hash", "params",
@@ -129,6 +146,25 @@ class Ledger:
             self.db.executemany(
                 f"INSERT INTO attempts ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
                 values)
+
+    def record_search(self, *, run_id, kernel, shapes: list[tuple[str, dict]], strategy, budget,
+                      source_hash, fingerprint, code_version) -> None:
+        """A search finished on `shapes` ((dtype, shape) pairs): one row each, one transaction."""
+        now = time.time()
+        with self.db:
+            self.db.executemany(
+                "INSERT INTO searches (run_id, kernel, dtype, shape, strategy, budget, source_hash, "
+                "fingerprint, code_version, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(run_id, kernel, dtype, canonical({k: v for k, v in shape.items() if k != "dtype"}),
+                  strategy, int(budget), source_hash, fingerprint, code_version, now)
+                 for dtype, shape in shapes])
+
+    def searched(self, *, fingerprint, source_hashes: dict[str, str]) -> set[tuple[str, str, str]]:
+        """{(kernel, dtype, canonical shape)} of searches that finished on this fingerprint with
+        the kernel's source at `source_hashes[kernel]` (kernels not named there: none)."""
+        rows = self.db.execute("SELECT DISTINCT kernel, dtype, shape, source_hash FROM searches "
+                               "WHERE fingerprint=?", (fingerprint,))
+        return {(k, d, shape) for k, d, shape, h in rows if source_hashes.get(k) == h}
 
     def lookup(self, *, kernel, dtype, shape, source_hash, params, fingerprint, code_version) -> dict | None:
         """The latest attempt with this identity, or None (what --resume skips)."""

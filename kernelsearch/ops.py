@@ -13,6 +13,10 @@
                                                               (or [1, D]), positions int64 [B],
                                                               caches [B, Hkv, S, D] contiguous,
                                                               written in place (mutates_args)
+    torch.ops.hwtune.rope_kv_attention(qkv, cos, sin, positions, k_cache, v_cache, scale) -> out
+                                                              rope_kv_write, then decode_attention of
+                                                              its q with seq_lens = positions + 1
+                                                              -> [B, Hq, D] (caches written in place)
     torch.ops.hwtune.rms_norm_linear(x, norm_weight, weight, eps)
                                                               x [..., K], norm_weight [K], weight [N, K]
                                                               -> rms_norm(x) @ weight.T [..., N]
@@ -223,6 +227,26 @@ def _(qkv, cos, sin, positions, k_cache, v_cache, table=0):
     return qkv.new_empty((qkv.shape[0], hq, qkv.shape[2]))
 
 
+# --- rope_kv_attention ----------------------------------------------------------------------
+@torch.library.custom_op("hwtune::rope_kv_attention", mutates_args=("k_cache", "v_cache"))
+def rope_kv_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                      table: int = 0) -> torch.Tensor:
+    _kv_args(qkv, cos, sin, positions, k_cache, v_cache)
+    b, _, d = qkv.shape
+    cos = cos.reshape(-1, d).expand(b, d).contiguous()
+    sin = sin.reshape(-1, d).expand(b, d).contiguous()
+    (out,) = run("rope_kv_attention", table, qkv.contiguous(), cos, sin,
+                 positions.to(torch.int64).contiguous(), k_cache, v_cache, float(scale))
+    return out
+
+
+@rope_kv_attention.register_fake
+def _(qkv, cos, sin, positions, k_cache, v_cache, scale, table=0):
+    hq = _kv_args(qkv, cos, sin, positions, k_cache, v_cache)
+    return qkv.new_empty((qkv.shape[0], hq, qkv.shape[2]))
+
+
 # --- rms_norm_linear ------------------------------------------------------------------------
 def _norm_linear_args(op, x, norm_weight, weight):
     _same_dtype(op, x, norm_weight, weight)
@@ -296,10 +320,11 @@ def _(x, weight, residual, table=0):
 
 OPS = {"rms_norm": "rmsnorm", "add_rms_norm": "add_rmsnorm", "linear": "linear", "swiglu": "swiglu",
        "rope": "rope", "decode_attention": "decode_attention",
-       "rope_kv_write": "rope_kv_write", "rms_norm_linear": "rmsnorm_linear",
+       "rope_kv_write": "rope_kv_write", "rope_kv_attention": "rope_kv_attention",
+       "rms_norm_linear": "rmsnorm_linear",
        "rms_norm_gate_up_swiglu": "rmsnorm_gate_up_swiglu",
        "linear_residual": "linear_residual"}  # op name -> kernel (spec) name
 
 __all__ = ["rms_norm", "add_rms_norm", "linear", "swiglu", "rope", "decode_attention", "rope_kv_write",
-           "rms_norm_linear", "rms_norm_gate_up_swiglu", "linear_residual",
+           "rope_kv_attention", "rms_norm_linear", "rms_norm_gate_up_swiglu", "linear_residual",
            "table_handle", "table_of", "run", "OPS"]

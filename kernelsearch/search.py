@@ -433,6 +433,11 @@ def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device:
 
         out = Path(dispatch_path) if dispatch_path else table_path(state_dir, fp_id)
         written = write_dispatch(out, kernel, fp, fp_id, reports, device)
+        # only now is each shape searched: a search killed before this line leaves attempts
+        # in the ledger but no record here, and `ensure_table` searches those shapes again
+        ledger.record_search(run_id=loop.run_id, kernel=kernel, shapes=[(r.dtype, r.shape) for r in reports],
+                             strategy=strategy, budget=budget, source_hash=make({}).source_hash,
+                             fingerprint=fp_id, code_version=loop.code_version)
     finally:
         ledger.close()
     return SearchResult(kernel, device, strategy, fp_id, loop.run_id, reports, loop.evaluations,

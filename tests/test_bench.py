@@ -58,7 +58,7 @@ def test_tiny_model_bench_on_cpu_measures_prefill_and_decode_with_a_fingerprint(
     # no fused entry: both tuned variants run the unfused step, and say why per fusion point
     assert decode["tuned-unfused"]["kernels"] == kernels
     assert all(w.startswith("unfused") for w in decode["tuned"]["fusions"].values()), decode["tuned"]["fusions"]
-    assert set(decode["tuned"]["fusions"]) == {"qkv", "o", "gate_up", "down", "head"}
+    assert set(decode["tuned"]["fusions"]) == {"qkv", "attention", "o", "gate_up", "down", "head"}
     assert decode["eager"]["kernels_per_layer"]["total"] == decode["tuned"]["kernels_per_layer"]["total"] == 16
     # with no table in the state dir, bench searched the model's own decode shapes first
     searched = {(d["kernel"], json.dumps(d["shape"], sort_keys=True)): d for d in doc["kernel_table"]["search"]}
@@ -626,3 +626,100 @@ def test_ensure_table_starts_a_kernel_only_when_its_share_of_the_budget_is_likel
     assert str(calls[0]["path"]).startswith(str(tmp_path / "dispatch"))
     assert {d["kernel"]: d["result"] for d in details}["rmsnorm"] == "not searched: time budget"
     assert table is None and "rmsnorm x2 (time budget)" in note and "searched 1 of 3" in note
+
+
+def test_a_search_killed_half_way_does_not_cover_its_shapes_and_is_resumed_next_time(tmp_path):
+    """A search child SIGKILLed after its first ledger rows (a bench timeout) leaves attempts but
+    no finished-search record: the next ensure_table searches the shape again, taking the
+    attempts the ledger holds instead of measuring them twice; once finished, the shape is covered."""
+    import os
+    import signal
+    import sqlite3
+    import subprocess
+    import time as _time
+
+    from daemon.bench.autotable import ensure_table
+    from tests.conftest import ROOT as REPO
+
+    state = tmp_path / "state"
+    shapes = {"rmsnorm": [{"M": 2, "N": 64}]}
+    script = ("from daemon.bench.autotable import ensure_table\n"
+              f"ensure_table(state_dir={str(state)!r}, device='cpu', dtype='fp32', "
+              f"shapes={shapes!r}, budget_s=600, evals=6)\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ledger = state / "ledger.sqlite"
+
+    def attempts():
+        if not ledger.exists():
+            return 0
+        try:
+            with sqlite3.connect(ledger) as db:
+                return db.execute("SELECT COUNT(*) FROM attempts").fetchone()[0]
+        except sqlite3.OperationalError:
+            return 0
+    deadline = _time.monotonic() + 240
+    while attempts() == 0 and child.poll() is None and _time.monotonic() < deadline:
+        _time.sleep(0.2)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    killed_rows = attempts()
+    assert killed_rows >= 1, "the search child wrote no attempt before the deadline"
+    with sqlite3.connect(ledger) as db:
+        assert db.execute("SELECT COUNT(*) FROM searches").fetchone()[0] == 0
+
+    lines = []
+    table, note = ensure_table(state_dir=state, device="cpu", dtype="fp32", shapes=shapes, budget_s=600,
+                               progress=lines.append, evals=2)
+    assert any("search rmsnorm on 1 shape(s)" in line for line in lines), lines
+    assert "searched 1 of 1 missing" in note, note
+    with sqlite3.connect(ledger) as db:
+        fresh = db.execute("SELECT COUNT(*) FROM attempts").fetchone()[0] - killed_rows
+        done = db.execute("SELECT kernel, dtype, shape FROM searches").fetchall()
+    assert fresh <= 2 - min(killed_rows, 2), "attempts the killed search recorded were measured again"
+    assert done == [("rmsnorm", "float32", '{"M":2,"N":64}')]
+    lines = []
+    _, note = ensure_table(state_dir=state, device="cpu", dtype="fp32", shapes=shapes, budget_s=600,
+                           progress=lines.append)
+    assert not any("search rmsnorm" in line for line in lines) and "covers all 1" in note
+
+
+def test_a_search_of_an_older_template_does_not_cover_its_shapes(tmp_path):
+    from daemon.bench.autotable import _searched
+    from kernelsearch.fingerprint import collect, fingerprint_id
+    from kernelsearch.kernels import template_path
+    from kernelsearch.ledger import Ledger, file_hash
+
+    fp = fingerprint_id(collect("cpu"))
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        for kernel, digest in (("rmsnorm", "0" * 16), ("swiglu", file_hash(template_path("swiglu")))):
+            ledger.record_search(run_id="r", kernel=kernel, shapes=[("float32", {"M": 1, "N": 64})],
+                                 strategy="grid", budget=2, source_hash=digest, fingerprint=fp,
+                                 code_version="ks-x")
+    assert _searched(tmp_path, fp, ["rmsnorm", "swiglu"]) == {("swiglu", "float32", '{"M":1,"N":64}')}
+    assert _searched(tmp_path, "another-fingerprint", ["rmsnorm", "swiglu"]) == set()
+
+
+def test_a_tuned_step_makes_no_rotation_matrices_nor_mask_that_no_layer_reads():
+    """Per-step tensors are made at first use: with tuned RoPE + KV write and tuned attention
+    the step launches neither the rotation-matrix gather nor the mask kernels (nor a batch
+    index), only the cos/sin gather; stock makes what it reads."""
+    from daemon.bench.ops import TunedOps
+
+    def attention(q, k_cache, v_cache, seq_lens, scale):
+        return StockOps().decode_attention(q, k_cache, v_cache, seq_lens, scale)
+
+    table = RecordingTable({"rope_kv_write": _rope_kv_write_reference, "decode_attention": attention})
+    made = {}
+    for ops in (TunedOps(table, "test table"), StockOps()):
+        step = {}
+        rope_context, attention_mask = ops.rope_context, ops.attention_mask
+        ops.rope_context = lambda *a, f=rope_context, s=step: s.setdefault("rope", f(*a))
+        ops.attention_mask = lambda *a, f=attention_mask, s=step: s.setdefault("mask", f(*a))
+        model, (got, kv), (want, kv_want) = _step_pair(ops)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv, kv_want, rtol=1e-5, atol=1e-5)
+        made[ops.name] = (step["rope"].made(), "mask" in step)
+    assert made["tuned"] == (["cos", "cos_sin", "sin"], False)
+    assert made["stock"] == (["batch_idx", "rot"], True)

@@ -24,6 +24,7 @@ S = cache_len(CTX)
 H, D = CFG.hidden, CFG.head_dim
 # The fused calls of the tiny model at batch 2, by fusion point (shapes as the dispatch table keys them)
 SHAPES = {"qkv": ("rmsnorm_linear", {"M": B, "K": H, "N": CFG.qkv_heads * D}),
+          "attention": ("rope_kv_attention", {"B": B, "Hq": CFG.heads, "Hkv": CFG.kv_heads, "D": D, "S": S}),
           "o": ("linear_residual", {"M": B, "K": CFG.heads * D, "N": H}),
           "gate_up": ("rmsnorm_gate_up_swiglu", {"M": B, "K": H, "I": CFG.ffn}),
           "down": ("linear_residual", {"M": B, "K": CFG.ffn, "N": H}),
@@ -78,7 +79,8 @@ def _recording(name):
 
 
 for _name in ("rmsnorm", "add_rmsnorm", "linear", "silu_mul", "residual_add", "rope_kv_write",
-              "decode_attention", "rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual"):
+              "decode_attention", "rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual",
+              "rope_kv_attention"):
     setattr(RecordingOps, _name, _recording(_name))
 
 
@@ -100,8 +102,8 @@ def _step(ops, head=True):
 OLD_LAYER = ["linear", "rope_kv_write", "decode_attention", "linear", "add_rmsnorm", "linear", "silu_mul",
              "linear"]
 OLD_STEP = ["rmsnorm"] + OLD_LAYER + ["add_rmsnorm"] + OLD_LAYER + ["add_rmsnorm", "linear"]
-FUSED_LAYER = ["rmsnorm_linear", "rope_kv_write", "decode_attention", "linear_residual",
-               "rmsnorm_gate_up_swiglu", "linear_residual"]
+FUSED_LAYER = ["rmsnorm_linear", "rope_kv_attention", "linear_residual", "rmsnorm_gate_up_swiglu",
+               "linear_residual"]
 
 
 def test_with_no_fused_entry_the_step_is_exactly_the_previous_sequence_and_stock_bitwise():
@@ -112,7 +114,7 @@ def test_with_no_fused_entry_the_step_is_exactly_the_previous_sequence_and_stock
         _, (got, kv), (want, kv_want) = _step(ops)
         assert ops.sequence == OLD_STEP, ops.sequence
         assert torch.equal(got, want) and torch.equal(kv, kv_want)
-        assert fused_points(ops, CFG, B, "float32") == frozenset()
+        assert fused_points(ops, CFG, B, "float32", S) == frozenset()
     # StockOps never fuses, whatever a table holds
     stock = StockOps()
     assert not any(stock.fuses(k) for k in FUSED)
@@ -126,7 +128,7 @@ def test_tuned_unfused_ignores_the_fused_entries_and_runs_the_previous_step():
     assert not {k for k, _, _ in table.lookups} & set(FUSED) and not table.calls
     assert torch.equal(got, want)
     assert all(w == "unfused (fused kernels off in this variant)"
-               for w in describe_fusions(ops, CFG, B, "float32").values())
+               for w in describe_fusions(ops, CFG, B, "float32", S).values())
 
 
 def test_every_fused_kernel_routed_gives_stocks_logits_with_the_fused_sequence():
@@ -141,18 +143,22 @@ def test_every_fused_kernel_routed_gives_stocks_logits_with_the_fused_sequence()
     x, norm_w, w, eps = calls[0][1]
     assert calls[0][0] == "rmsnorm_linear" and x.shape == (B, H) and norm_w is model.layers[0]["attn_norm"]
     assert w is model.layers[0]["w_qkv"] and w.shape == (CFG.qkv_heads * D, H) and eps == CFG.eps
-    x, w, residual = calls[1][1]
-    assert calls[1][0] == "linear_residual" and w is model.layers[0]["w_o"] and residual.shape == (B, H)
+    qkv, cos, sin, positions, k_cache, v_cache, scale = calls[1][1]
+    assert calls[1][0] == "rope_kv_attention" and qkv.shape == (B, CFG.qkv_heads, D) and scale == model.scale
+    assert cos.shape == sin.shape == (B, D) and positions.tolist() == [CTX, 7]
+    assert k_cache.data_ptr() == model.kv[0, 0].data_ptr() and v_cache.data_ptr() == model.kv[0, 1].data_ptr()
+    x, w, residual = calls[2][1]
+    assert calls[2][0] == "linear_residual" and w is model.layers[0]["w_o"] and residual.shape == (B, H)
     assert calls[-1][0] == "rmsnorm_linear" and calls[-1][1][2] is model.lm_head
-    assert fused_points(ops, CFG, B, "float32") == frozenset(SHAPES)
+    assert fused_points(ops, CFG, B, "float32", S) == frozenset(SHAPES)
     used = describe_kernels(ops, CFG, B, S, "float32")
-    assert [label for label in used] == ["rmsnorm_linear qkv", "rope + kv write", "decode_attention",
+    assert [label for label in used] == ["rmsnorm_linear qkv", "rope + kv write + attention",
                                          "linear_residual o", "rmsnorm_gate_up_swiglu", "linear_residual down",
                                          "rmsnorm_linear lm_head"]
     assert used["rmsnorm_gate_up_swiglu"]["impl"].startswith("tuned test.rmsnorm_gate_up_swiglu")
     counts = kernels_per_layer(ops, CFG, B, S, "float32")
-    # 1 + rope 4 + sdpa 2 (batch 2) + 1 + 1 + 1, against stock's 16
-    assert counts["total"] == 10 and kernels_per_layer(StockOps(), CFG, B, S, "float32")["total"] == 16
+    # five fused kernels (a test entry launches once), against stock's 16
+    assert counts["total"] == 5 and kernels_per_layer(StockOps(), CFG, B, S, "float32")["total"] == 16
     # the no-head step ends with the whole residual stream (nothing pending to add)
     ops = RecordingOps(ShapeTable(list(SHAPES)), "test")
     _, (got, _), (want, _) = _step(ops, head=False)
@@ -180,6 +186,9 @@ MIXED = {
              "rmsnorm", "linear", "rope_kv_write", "decode_attention", "linear", "add_rmsnorm", "linear",
              "silu_mul", "linear_residual", "rmsnorm", "linear"],
     "head": OLD_STEP[:-2] + ["residual_add", "rmsnorm_linear"],
+    "attention": ["rmsnorm", "linear", "rope_kv_attention", "linear", "add_rmsnorm", "linear", "silu_mul",
+                  "linear", "add_rmsnorm", "linear", "rope_kv_attention", "linear", "add_rmsnorm", "linear",
+                  "silu_mul", "linear", "add_rmsnorm", "linear"],
     "o,down": ["rmsnorm", "linear", "rope_kv_write", "decode_attention", "linear_residual", "rmsnorm", "linear",
                "silu_mul", "linear_residual"] * 2 + ["rmsnorm", "linear"],
     "qkv,down,head": (["rmsnorm_linear", "rope_kv_write", "decode_attention", "linear", "add_rmsnorm", "linear",
@@ -197,7 +206,7 @@ def test_mixed_fusions_give_stocks_logits_and_the_description_matches_what_ran(p
     assert ops.sequence == MIXED[",".join(points)], ops.sequence
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kv, kv_want, rtol=1e-5, atol=1e-5)
-    fused = fused_points(ops, CFG, B, "float32")
+    fused = fused_points(ops, CFG, B, "float32", S)
     assert fused == frozenset(points)
     # layer_calls / step_calls describe exactly the calls that ran: the last layer, then the head
     method = {**ROUTED, None: "residual_add"}
@@ -209,7 +218,7 @@ def test_mixed_fusions_give_stocks_logits_and_the_description_matches_what_ran(p
     stock_counts = {"rmsnorm": 1, "add_rmsnorm": 2, "linear": 1, "rope_kv_write": 4, "decode_attention": 2,
                     "silu_mul": 2, "residual_add": 1}
     assert counts["total"] == sum(stock_counts.get(m, 1) for m in layer)  # a tuned (test) entry: 1 launch
-    whys = describe_fusions(ops, CFG, B, "float32")
+    whys = describe_fusions(ops, CFG, B, "float32", S)
     assert {p for p, w in whys.items() if w.startswith("fused")} == set(points)
     assert all("no table entry" in w for p, w in whys.items() if p not in points), whys
 
@@ -246,7 +255,8 @@ FUSED_CHILD = textwrap.dedent('''
     h, d = cfg.hidden, cfg.head_dim
     shapes = {"rmsnorm_linear": [{"M": B, "K": h, "N": cfg.qkv_heads * d}, {"M": B, "K": h, "N": cfg.vocab}],
               "linear_residual": [{"M": B, "K": cfg.heads * d, "N": h}, {"M": B, "K": cfg.ffn, "N": h}],
-              "rmsnorm_gate_up_swiglu": [{"M": B, "K": h, "I": cfg.ffn}]}
+              "rmsnorm_gate_up_swiglu": [{"M": B, "K": h, "I": cfg.ffn}],
+              "rope_kv_attention": [{"B": B, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": S}]}
     kernels = sys.argv[1].split(",")
     entries = []
     for kernel in kernels:
@@ -271,7 +281,7 @@ FUSED_CHILD = textwrap.dedent('''
         out[",".join(subset)] = {
             "rel": float((got - want).norm() / want.norm()), "kv_err": float((model.kv - kv_want).abs().max()),
             "counts": {f"{k}:{r}": n for (k, r), n in table.counts.items()},
-            "fused": sorted(fused_points(ops, cfg, B, "float32")),
+            "fused": sorted(fused_points(ops, cfg, B, "float32", S)),
             "impl": {label: u["impl"] for label, u in used.items()},
             "per_layer": kernels_per_layer(ops, cfg, B, S, "float32")}
     print(json.dumps(out))
@@ -304,7 +314,7 @@ def _report(real_fused, kernels):
 
 
 POINTS_OF = {"rmsnorm_linear": ["head", "qkv"], "linear_residual": ["down", "o"],
-             "rmsnorm_gate_up_swiglu": ["gate_up"]}
+             "rmsnorm_gate_up_swiglu": ["gate_up"], "rope_kv_attention": ["attention"]}
 
 
 @pytest.mark.parametrize("kernel", FUSED)
@@ -312,7 +322,8 @@ def test_the_tuned_route_of_a_real_fused_template_gives_stocks_logits_on_the_int
     report = _report(real_fused, [kernel])
     assert report["rel"] < 1e-4 and report["kv_err"] < 1e-5, report
     assert report["fused"] == POINTS_OF[kernel]
-    calls = {"rmsnorm_linear": CFG.layers + 1, "linear_residual": 2 * CFG.layers, "rmsnorm_gate_up_swiglu": CFG.layers}
+    calls = {"rmsnorm_linear": CFG.layers + 1, "linear_residual": 2 * CFG.layers, "rmsnorm_gate_up_swiglu": CFG.layers,
+             "rope_kv_attention": CFG.layers}
     assert report["counts"] == {f"{kernel}:tuned": calls[kernel]}, report["counts"]
     assert any(impl.startswith(f"tuned kernelsearch.kernels.{kernel} ") for impl in report["impl"].values())
 
@@ -322,8 +333,8 @@ def test_the_step_with_every_real_fused_template_gives_stocks_logits_on_the_inte
     assert report["rel"] < 1e-4 and report["kv_err"] < 1e-5, report
     assert report["fused"] == sorted(SHAPES)
     assert report["counts"] == {"rmsnorm_linear:tuned": CFG.layers + 1, "linear_residual:tuned": 2 * CFG.layers,
-                                "rmsnorm_gate_up_swiglu:tuned": CFG.layers}
-    assert set(report["impl"]) == {"rmsnorm_linear qkv", "rope + kv write", "decode_attention", "linear_residual o",
+                                "rmsnorm_gate_up_swiglu:tuned": CFG.layers, "rope_kv_attention:tuned": CFG.layers}
+    assert set(report["impl"]) == {"rmsnorm_linear qkv", "rope + kv write + attention", "linear_residual o",
                                    "rmsnorm_gate_up_swiglu", "linear_residual down", "rmsnorm_linear lm_head"}
     per_layer = report["per_layer"]
     assert per_layer["total"] == sum(v for k, v in per_layer.items() if k != "total")

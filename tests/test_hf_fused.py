@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 from kernelsearch import dispatch  # noqa: E402
 from kernelsearch.fingerprint import collect, fingerprint_id  # noqa: E402
-from kernelsearch.integrations.transformers import (FUSED_PARTS, HwtuneDecoderLayer,  # noqa: E402
+from kernelsearch.integrations.transformers import (FUSED_ATTENTION, FUSED_PARTS, HwtuneDecoderLayer,  # noqa: E402
                                                     decode_shapes, patch, unpatch)
 from kernelsearch.kernels import TEMPLATES  # noqa: E402
 
@@ -73,7 +73,11 @@ def test_every_shape_through_the_ops_runs_the_four_fused_kernels_and_gives_the_u
     assert "swiglu:stock" not in c
     assert c["linear:stock"] == forwards
     assert c["rmsnorm:stock"] == forwards * (1 + (2 * 2 if name == "Qwen3" else 0))
-    assert c["decode_attention:stock"] == 2 * STEPS
+    # each decode step's RoPE, cache write and attention: one fused op (Qwen3: q/k norms between
+    # the projection and RoPE, so rope_kv_write's place stays hwtune::rope + decode_attention)
+    assert c["rope_kv_attention:stock" if name != "Qwen3" else "decode_attention:stock"] == 2 * STEPS
+    assert "rope_kv_write:stock" not in c
+    assert report.patched.get(FUSED_ATTENTION, 0) == (0 if name == "Qwen3" else 2)
     unpatch(model)
 
 
@@ -168,7 +172,8 @@ def test_fused_decode_step_compiles_with_fullgraph_and_matches(name):
     torch._dynamo.reset()
     got = run_both(model, step_fn=torch.compile(model.forward, fullgraph=True, backend=backend))
     assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
-    for op in ("rms_norm_linear", "linear_residual", "rms_norm_gate_up_swiglu", "decode_attention"):
+    attention = "rope_kv_attention" if name == "Llama" else "decode_attention"
+    for op in ("rms_norm_linear", "linear_residual", "rms_norm_gate_up_swiglu", attention):
         assert f"hwtune.{op}" in seen, op
     assert "hwtune.swiglu" not in seen   # SwiGLU is in the fused kernel's epilogue
     torch._dynamo.reset()
@@ -225,7 +230,9 @@ def test_decode_shapes_list_the_fused_kernels_beside_the_unfused_ones():
     assert fused["rmsnorm_linear"] == [{"M": b, "K": 64, "N": 128} for b in (1, 3)]
     assert fused["rmsnorm_gate_up_swiglu"] == [{"M": b, "K": 64, "I": 96} for b in (1, 3)]
     assert fused["linear_residual"] == [{"M": b, "K": k, "N": 64} for b in (1, 3) for k in (64, 96)]
-    assert set(fused) - set(unfused) == {"rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual"}
+    assert fused["rope_kv_attention"] == [{"B": b, "Hq": 4, "Hkv": 2, "D": 16, "S": 20} for b in (1, 3)]
+    assert set(fused) - set(unfused) == {"rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual",
+                                         "rope_kv_attention"}
 
 
 # --- harness-verified Triton kernels (children under TRITON_INTERPRET) ------------------------

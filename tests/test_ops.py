@@ -34,6 +34,9 @@ def _cases():
         # qkv [B, Hq + 2 Hkv, D], cos/sin [B, D], positions, caches [B, Hkv, S, D]
         "rope_kv_write": (r(2, 8, 16), r(2, 16), r(2, 16), torch.tensor([7, 2]), r(2, 2, 10, 16),
                           r(2, 2, 10, 16)),
+        # the same, then attention over slots 0..positions[b]
+        "rope_kv_attention": (r(2, 8, 16), r(2, 16), r(2, 16), torch.tensor([7, 2]), r(2, 2, 10, 16),
+                              r(2, 2, 10, 16), 0.25),
         # the fused decode kernels: x [..., K], norm_weight [K], weight [N, K] (gate|up: [2I, K])
         "rms_norm_linear": (r(2, 3, 64), r(64), r(40, 64), 1e-5),
         "rms_norm_gate_up_swiglu": (r(2, 3, 64), r(64), r(48, 64), 1e-6),
@@ -70,6 +73,10 @@ def _stock(name, args):
     if name == "linear_residual":
         x, w, res = args
         return res + F.linear(x, w)
+    if name == "rope_kv_attention":   # rope_kv_write's stock, then SDPA over slots 0..positions[b]
+        qkv, cos, sin, pos, kc, vc, scale = args
+        q = _stock("rope_kv_write", args[:6])
+        return _stock("decode_attention", (q, kc, vc, pos + 1, scale))
     if name == "rope_kv_write":   # apply_rotary_pos_emb, then StaticCache's index_copy_ per row
         qkv, cos, sin, pos, kc, vc = args
         rot = lambda x: torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), -1)
@@ -133,7 +140,7 @@ def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
 
     cases = _cases()
 
-    def block(x, w, W, gate_up_w, q, k, cos, sin, kc, vc, lens, qkv, cs, sn, pos, kc2, vc2):
+    def block(x, w, W, gate_up_w, q, k, cos, sin, kc, vc, lens, qkv, cs, sn, pos, kc2, vc2, kc3, vc3):
         h = torch.ops.hwtune.rms_norm(x, w, 1e-6)
         h, res = torch.ops.hwtune.add_rms_norm(h, x, w, 1e-6)
         y = torch.ops.hwtune.swiglu(torch.ops.hwtune.linear(h, gate_up_w))
@@ -141,11 +148,12 @@ def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
         q2, k2 = torch.ops.hwtune.rope(q, k, cos, sin)
         a = torch.ops.hwtune.decode_attention(q2[:, 0], kc, vc, lens, 0.25)
         q3 = torch.ops.hwtune.rope_kv_write(qkv, cs, sn, pos, kc2, vc2)
+        a3 = torch.ops.hwtune.rope_kv_attention(qkv, cs, sn, pos, kc3, vc3, 0.25)
         # a decoder layer's fused path: norm + projection, residual epilogue, norm + gate|up + SwiGLU
         z = torch.ops.hwtune.rms_norm_linear(res, w, gate_up_w, 1e-6)
         z = torch.ops.hwtune.linear_residual(z, gate_up_w, res)
         z = torch.ops.hwtune.rms_norm_gate_up_swiglu(z, w, gate_up_w, 1e-6)
-        return y + res[..., :48].sum() + z.sum(), a, q3
+        return y + res[..., :48].sum() + z.sum(), a, q3, a3
 
     x, w = cases["rms_norm"][:2]
     args = (x, w, torch.randn(48, 32), torch.randn(64, 64), *cases["rope"],
@@ -155,8 +163,8 @@ def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
     args[5] = torch.randn(2, 1, 2, 16)
     args[6] = torch.randn(2, 1, 16)
     args[7] = torch.randn(2, 1, 16)
-    args += list(cases["rope_kv_write"])
-    kv = lambda a: a[:-2] + [a[-2].clone(), a[-1].clone()]   # each run on its own caches
+    args += list(cases["rope_kv_write"]) + [cases["rope_kv_write"][4].clone(), cases["rope_kv_write"][5].clone()]
+    kv = lambda a: a[:-4] + [t.clone() for t in a[-4:]]   # each run on its own caches
     compiled = torch.compile(block, fullgraph=True, backend=backend)
     eager_args, compiled_args = kv(args), kv(args)
     for got, want in zip(compiled(*compiled_args), block(*eager_args)):
@@ -168,9 +176,9 @@ def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
     for got, want in zip(aot(*aot_args), block(*kv(args))):
         assert torch.equal(got, want)
     # the compiled graphs wrote the caller's caches as eager did (the mutation is not lost)
-    for a, b in zip(aot_args[-2:] + compiled_args[-2:], eager_args[-2:] * 2):
+    for a, b in zip(aot_args[-4:] + compiled_args[-4:], eager_args[-4:] * 2):
         assert torch.equal(a, b)
-    assert not torch.equal(aot_args[-2], args[-2])
+    assert not torch.equal(aot_args[-2], args[-2]) and not torch.equal(aot_args[-4], args[-4])
 
 
 @pytest.mark.parametrize("name", ["rms_norm_linear", "rms_norm_gate_up_swiglu", "linear_residual"])

@@ -13,7 +13,7 @@ NAMES = sorted(SPECS)
 def test_registry_holds_the_builtin_kernels():
     assert set(SPECS) == {"rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention",
                           "linear", "swiglu", "rope", "rope_kv_write", "rmsnorm_linear",
-                          "rmsnorm_gate_up_swiglu", "linear_residual"}
+                          "rmsnorm_gate_up_swiglu", "linear_residual", "rope_kv_attention"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -22,7 +22,7 @@ def test_cpu_sweep_has_odd_sizes_one_row_and_a_bf16_case(name):
     assert any(s.get("dtype") == "bfloat16" for s in shapes)
     dims = [v for s in shapes for k, v in s.items() if k != "dtype"]
     assert any(v % 2 == 1 and v > 1 for v in dims)
-    lead = "B" if name in ("decode_attention", "rope", "rope_kv_write") else "M"
+    lead = "B" if name in ("decode_attention", "rope", "rope_kv_write", "rope_kv_attention") else "M"
     assert min(s[lead] for s in shapes) == 1 and max(s[lead] for s in shapes) >= 3
 
 
@@ -217,3 +217,19 @@ def test_the_cli_help_names_every_spec():
     from daemon.commands.kernels import KERNEL_HELP
     listed = {n.strip() for n in KERNEL_HELP.split(":", 1)[1].split(",")}
     assert listed == set(SPECS)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_timed_inputs_keep_shapes_and_dtypes_and_decode_attention_is_timed_at_full_length(name):
+    """Timed calls (candidate and stock) get the work the spec's bytes() counts: every decode
+    sequence at the full cache length (the checked calls draw lengths at random)."""
+    spec = SPECS[name]
+    shape = dict(spec.shapes("cpu")[1])
+    shape.pop("dtype", None)
+    g = torch.Generator().manual_seed(3)
+    drawn = spec.make_inputs(shape, torch.float32, "cpu", g, spec.distributions[0])
+    before = {k: (v.shape, v.dtype) for k, v in drawn.items() if isinstance(v, torch.Tensor)}
+    timed = spec.timed_inputs(drawn)
+    assert {k: (v.shape, v.dtype) for k, v in timed.items() if isinstance(v, torch.Tensor)} == before
+    if name == "decode_attention":
+        assert bool((timed["seq_lens"] == shape["S"]).all())

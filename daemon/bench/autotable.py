@@ -7,8 +7,10 @@ runs `kernelsearch.search.search` (the only judge: one keep rule, one timer) on 
 as `hwtune search` does; then it loads the result.
 
 Covered: the table has an entry for the shape (a tuned kernel won there), or the ledger in the
-state dir records a search of that (kernel, dtype, shape) on this device fingerprint (stock won,
-or every candidate failed): searching again would only repeat that answer.
+state dir records a search of that (kernel, dtype, shape) that ran to its end on this device
+fingerprint with the template as it is now (stock won, or every candidate failed): searching
+again would only repeat that answer. A search that was killed, or one of an older template, does
+not cover its shapes; they are searched again, resuming the attempts the ledger holds.
 A table given explicitly (`table_path` that exists) is used as it is: it is not searched into.
 """
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pathlib import Path
 # The fused decode kernels lead (each replaces a GEMV and the ops around it; by weight bytes of
 # Llama-3-8B's step: gate|up, then norm + qkv / lm_head, then o / down + residual).
 SEARCH_ORDER = ("rmsnorm_gate_up_swiglu", "rmsnorm_linear", "linear_residual", "linear", "matmul",
-                "decode_attention", "add_rmsnorm", "rope_kv_write", "rope", "swiglu", "rmsnorm")
+                "rope_kv_attention", "decode_attention", "add_rmsnorm", "rope_kv_write", "rope", "swiglu",
+                "rmsnorm")
 DEFAULT_EVALS = 2
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -44,16 +47,20 @@ def _load(path):
         return None, f"dispatch table {path} failed to load: {type(exc).__name__}: {exc}"
 
 
-def _searched(state_dir, fingerprint_id: str) -> set:
-    """{(kernel, dtype, canonical shape)} the ledger has attempts for on this fingerprint."""
+def _searched(state_dir, fingerprint_id: str, kernels) -> set:
+    """{(kernel, dtype, canonical shape)} whose search ran to its end on this fingerprint with
+    the kernel's built-in template as it is now. A search killed half-way (a timeout, Ctrl-C)
+    leaves ledger attempts but no such record, and a template edited since makes the old
+    answer stale: both are searched again (resuming the attempts the ledger already has)."""
     path = Path(state_dir) / "ledger.sqlite"
     if not path.exists():
         return set()
-    from kernelsearch.ledger import Ledger
+    from kernelsearch.kernels import TEMPLATES, template_path
+    from kernelsearch.ledger import Ledger, file_hash
 
+    hashes = {k: file_hash(template_path(k)) for k in kernels if k in TEMPLATES}
     with Ledger(path) as ledger:
-        return {(r["kernel"], r["dtype"], _canonical(r["shape"]))
-                for r in ledger.attempts(fingerprint=fingerprint_id)}
+        return ledger.searched(fingerprint=fingerprint_id, source_hashes=hashes)
 
 
 def _tuned_count(table, shapes: dict, dtype: str) -> tuple[int, int]:
@@ -109,7 +116,7 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
         table, note = _load(path)
         if table is None:  # a search would have to rewrite it: leave it for a person to look at
             return None, note + "; not searched (the search would overwrite it)"
-    searched = _searched(state_dir, fp_id)
+    searched = _searched(state_dir, fp_id, shapes)
     missing: dict[str, list[dict]] = {}
     for kernel, kernel_shapes in shapes.items():
         for shape in kernel_shapes:
@@ -166,7 +173,7 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
                  + "; ".join(_describe(s) for s in todo))
         try:
             result = search(kernel, state_dir=state_dir, strategy="grid", budget=max(1, int(evals)),
-                            device=device, dtype=dtype, shapes=todo, dispatch_path=path,
+                            device=device, dtype=dtype, shapes=todo, dispatch_path=path, resume=True,
                             progress=lambda line, k=kernel: progress(f"  {k}: {line}"))
         except Exception as exc:  # a failed search is a fact of this run, not the end of the bench
             for shape in todo:

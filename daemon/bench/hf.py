@@ -426,6 +426,7 @@ class HfBench:
                     if liger_skip:
                         row["status"] = liger_skip
                         rows[mode] = row
+                        log(f"hf-llama {batch}x{ctx}: {LABELS[mode]}: {liger_skip}")
                         continue
                     undo, row["patch_report"] = liger_apply(model)
                 log(f"hf-llama {batch}x{ctx}: {LABELS[mode]}")

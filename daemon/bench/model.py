@@ -29,6 +29,27 @@ import torch
 import torch.nn.functional as F
 
 
+class StepTensors:
+    """Per-step tensors every layer shares (RoPE state, the attention mask), each made by its
+    maker on first use: inside a captured step, a tensor that no layer reads (the rotation
+    matrices where the tuned RoPE kernel runs, the mask where the tuned attention runs) costs
+    no kernel. `name in x` says whether x can make `name`."""
+
+    def __init__(self, **makers):
+        self._makers, self._values = makers, {}
+
+    def __contains__(self, name) -> bool:
+        return name in self._makers
+
+    def __getitem__(self, name):
+        if name not in self._values:
+            self._values[name] = self._makers[name]()
+        return self._values[name]
+
+    def made(self) -> list[str]:
+        return sorted(self._values)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
@@ -132,6 +153,7 @@ class Model:
         self.scale = 1.0 / math.sqrt(d)
         self.kv: torch.Tensor | None = None
         self.rope_table: torch.Tensor | None = None
+        self.cos_sin_table: torch.Tensor | None = None
 
     # ---- KV cache -------------------------------------------------------------------------
     def allocate_cache(self, batch: int, s_max: int) -> torch.Tensor:
@@ -168,9 +190,13 @@ class Model:
     def rope_cos_sin(self, positions: torch.Tensor):
         """cos, sin [B, D] in the model's dtype, Hugging Face's rotate_half convention
         (cos = cat(c, c), c = cos(pos * inv_freq)): x * cos + rotate_half(x) * sin is what
-        `rope_matrices` applies as x @ R, from the same fp32 angles rounded once."""
-        cos, sin = self._cos_sin(positions)
-        return cos.to(self.dtype), sin.to(self.dtype)
+        `rope_matrices` applies as x @ R, from the same fp32 angles rounded once. One gather
+        from a [2, S_max, D] table built with the cache (one launch per step instead of ~7);
+        each of the two is contiguous."""
+        if self.cos_sin_table is None or self.cos_sin_table.shape[1] < self.kv.shape[4]:
+            self.rope_table = self._build_rope_table(self.kv.shape[4])
+        both = self.cos_sin_table.index_select(1, positions)
+        return both[0], both[1]
 
     def rope_matrices(self, positions: torch.Tensor) -> torch.Tensor:
         """[B, D, D] with x @ R == x * cos + rotate_half(x) * sin at each sequence's position.
@@ -182,12 +208,18 @@ class Model:
         return self.rope_table.index_select(0, positions)
 
     def _build_rope_table(self, s_max: int) -> torch.Tensor:
+        """The rotation matrices [S_max, D, D]; also sets cos_sin_table [2, S_max, D] (model
+        dtype) from the same fp32 cos and sin, so both paths round the same values."""
         d = self.cfg.head_dim
         table = torch.empty(s_max, d, d, device=self.device, dtype=self.dtype)
+        cos_sin = torch.empty(2, s_max, d, device=self.device, dtype=self.dtype)
         for lo in range(0, s_max, 1024):  # chunks: bounded fp32 temporaries
             pos = torch.arange(lo, min(lo + 1024, s_max), device=self.device)
             cos, sin = self._cos_sin(pos)
             table[lo:lo + pos.shape[0]] = torch.diag_embed(cos) + self.rot[None] * sin[:, None, :]
+            cos_sin[0, lo:lo + pos.shape[0]] = cos
+            cos_sin[1, lo:lo + pos.shape[0]] = sin
+        self.cos_sin_table = cos_sin
         return table
 
     # ---- forward --------------------------------------------------------------------------
@@ -206,17 +238,24 @@ class Model:
         c, kv = self.cfg, self.kv
         b = tokens.shape[0]
         hq, d = c.heads, c.head_dim
-        seq_lens = (positions + 1).to(torch.int32)
+        # made at first use (StepTensors): a step whose layers all run the fused attention
+        # kernel reads neither the lengths nor the mask
+        lens = StepTensors(seq_lens=lambda: (positions + 1).to(torch.int32))
         rope = ops.rope_context(self, positions)
-        mask = ops.attention_mask(seq_lens, kv.shape[4], self.dtype)
+        mask = StepTensors(mask=lambda: ops.attention_mask(lens["seq_lens"], kv.shape[4], self.dtype))
         stream = self.embedding.index_select(0, tokens)
         pending = None  # a sublayer's output not yet added to `stream`
         for i, w in enumerate(self.layers):
             qkv, stream, pending = self._norm_linear(ops, stream, pending, w["attn_norm"], w["w_qkv"])
             qkv = qkv.view(b, c.qkv_heads, d)
             k_cache, v_cache = kv[i, 0], kv[i, 1]
-            q = ops.rope_kv_write(qkv, rope, positions, k_cache, v_cache, hq)
-            attn = ops.decode_attention(q, k_cache, v_cache, seq_lens, self.scale, mask)
+            if "cos" in rope and ops.fuses("rope_kv_attention", qkv, rope["cos"], rope["sin"], positions,
+                                           k_cache, v_cache, self.scale):
+                attn = ops.rope_kv_attention(qkv, rope["cos"], rope["sin"], positions, k_cache, v_cache,
+                                             self.scale)
+            else:
+                q = ops.rope_kv_write(qkv, rope, positions, k_cache, v_cache, hq)
+                attn = ops.decode_attention(q, k_cache, v_cache, lens["seq_lens"], self.scale, mask)
             stream, pending = self._linear_residual(ops, attn.reshape(b, hq * d), w["w_o"], stream)
             if ops.fuses("rmsnorm_gate_up_swiglu", stream, w["mlp_norm"], w["w_gate_up"], c.eps):
                 stream, pending = self._settle(ops, stream, pending), None

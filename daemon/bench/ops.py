@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from daemon.bench.model import StepTensors
 # kernel -> fn(args) -> the shape keys its spec sweeps and the table stores (spec.call_shape)
 from kernelsearch.dispatch import SHAPE_OF
 
@@ -23,9 +24,15 @@ from kernelsearch.dispatch import SHAPE_OF
 ROUTED = {"rmsnorm": "rmsnorm", "add_rmsnorm": "add_rmsnorm", "linear": "linear",
           "decode_attention": "decode_attention", "swiglu": "silu_mul",
           "rope_kv_write": "rope_kv_write", "rmsnorm_linear": "rmsnorm_linear",
-          "rmsnorm_gate_up_swiglu": "rmsnorm_gate_up_swiglu", "linear_residual": "linear_residual"}
+          "rmsnorm_gate_up_swiglu": "rmsnorm_gate_up_swiglu", "linear_residual": "linear_residual",
+          "rope_kv_attention": "rope_kv_attention"}
 # The fused decode kernels: TunedOps(fused=False) never routes (nor asks about) these.
-FUSED = ("rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual")
+FUSED = ("rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual", "rope_kv_attention")
+
+
+def _mask(mask):
+    return mask["mask"] if isinstance(mask, StepTensors) else mask
+
 
 class StockOps:
     """torch ops. `attention`: "sdpa" (the q heads of one kv head become that head's query
@@ -74,10 +81,10 @@ class StockOps:
         return residual + F.linear(x, weight)
 
     def rope_context(self, model, positions):
-        """Per-step RoPE state shared by every layer: rotation matrices [B, D, D] and the
-        batch index of the cache write."""
-        return {"rot": model.rope_matrices(positions),
-                "batch_idx": torch.arange(positions.shape[0], device=positions.device)}
+        """Per-step RoPE state shared by every layer (StepTensors): rotation matrices
+        [B, D, D] and the batch index of the cache write."""
+        return StepTensors(rot=lambda: model.rope_matrices(positions),
+                           batch_idx=lambda: torch.arange(positions.shape[0], device=positions.device))
 
     def rope_kv_write(self, qkv, rope, positions, k_cache, v_cache, heads):
         """qkv [B, Hq+2Hkv, D] -> q [B, Hq, D] rotated; rotated k and v written into the caches
@@ -89,18 +96,19 @@ class StockOps:
         return qk[:, :heads]
 
     def attention_mask(self, seq_lens, s_max, dtype):
-        """Additive mask [B, 1, 1, S_max], built once per step and shared by every layer."""
+        """Additive mask [B, 1, 1, S_max], shared by every layer (the model makes it at its first
+        use: StepTensors)."""
         valid = torch.arange(s_max, device=seq_lens.device)[None, :] < seq_lens[:, None]
         zero = torch.zeros((), dtype=dtype, device=seq_lens.device)
         return torch.where(valid, zero, float("-inf")).view(seq_lens.shape[0], 1, 1, s_max)
 
     def decode_attention(self, q, k_cache, v_cache, seq_lens, scale, mask=None):
-        """q [B, Hq, D]; caches [B, Hkv, S_max, D]; each cache is read once (no repeat)."""
+        """q [B, Hq, D]; caches [B, Hkv, S_max, D]; each cache is read once (no repeat).
+        mask: attention_mask's tensor (or StepTensors holding it as "mask"), else built here."""
         b, hq, d = q.shape
         hkv, s = k_cache.shape[1], k_cache.shape[2]
         g = hq // hkv
-        if mask is None:
-            mask = self.attention_mask(seq_lens, s, q.dtype)
+        mask = _mask(mask if mask is not None else self.attention_mask(seq_lens, s, q.dtype))
         if self.attention == "sdpa":
             out = F.scaled_dot_product_attention(q.reshape(b, hkv, g, d), k_cache, v_cache,
                                                  attn_mask=mask, scale=scale)
@@ -127,14 +135,16 @@ def cache_len(ctx: int) -> int:
 
 # ---- the calls a decode step makes, by kernel and shape (the dispatch table's keys) ----------
 # Where a fused decode kernel can replace unfused calls (Model.decode_step, in step order).
-FUSION_POINTS = ("qkv", "o", "gate_up", "down", "head")
+FUSION_POINTS = ("qkv", "attention", "o", "gate_up", "down", "head")
 
 
-def fused_calls(cfg, batch: int) -> dict[str, tuple[str, str, dict]]:
+def fused_calls(cfg, batch: int, s_max: int) -> dict[str, tuple[str, str, dict]]:
     """fusion point -> (label, kernel, shape) of the fused call that runs there when routed."""
     h, d = cfg.hidden, cfg.head_dim
     return {
         "qkv": ("rmsnorm_linear qkv", "rmsnorm_linear", {"M": batch, "K": h, "N": cfg.qkv_heads * d}),
+        "attention": ("rope + kv write + attention", "rope_kv_attention",
+                      {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": s_max}),
         "o": ("linear_residual o", "linear_residual", {"M": batch, "K": cfg.heads * d, "N": h}),
         "gate_up": ("rmsnorm_gate_up_swiglu", "rmsnorm_gate_up_swiglu", {"M": batch, "K": h, "I": cfg.ffn}),
         "down": ("linear_residual down", "linear_residual", {"M": batch, "K": cfg.ffn, "N": h}),
@@ -143,13 +153,13 @@ def fused_calls(cfg, batch: int) -> dict[str, tuple[str, str, dict]]:
 
 
 def _norm_and_proj(where: str, point: str, pending: bool, fused, cfg, batch: int,
-                   proj: list) -> list:
+                   proj: list, s_max: int) -> list:
     """The calls of a norm and the projection after it (Model._norm_linear and the MLP's first
     half): fused (a torch add first when a sublayer output is pending), else the unfused norm
     (add_rmsnorm when pending, rmsnorm otherwise) and `proj`."""
     norm = {"M": batch, "N": cfg.hidden}
     if point in fused:
-        return ([(f"residual add ({where})", None, norm)] if pending else []) + [fused_calls(cfg, batch)[point]]
+        return ([(f"residual add ({where})", None, norm)] if pending else []) + [fused_calls(cfg, batch, s_max)[point]]
     first = (f"add_rmsnorm ({where})", "add_rmsnorm", norm) if pending else (f"rmsnorm ({where})", "rmsnorm", norm)
     return [first] + proj
 
@@ -159,18 +169,21 @@ def layer_calls(cfg, batch: int, s_max: int, fused=frozenset()) -> list[tuple[st
     with the fused kernels at the points in `fused` (FUSION_POINTS; empty: the unfused step).
     kernel None: a torch add with no kernel spec (the residual a fused norm needs summed)."""
     h, d = cfg.hidden, cfg.head_dim
-    fc = fused_calls(cfg, batch)
+    fc = fused_calls(cfg, batch, s_max)
     pending = "down" not in fused  # the previous layer's down output, unless summed in its epilogue
     calls = _norm_and_proj("attention", "qkv", pending, fused, cfg, batch,
-                           [("linear qkv", "linear", {"M": batch, "K": h, "N": cfg.qkv_heads * d})])
-    calls += [("rope + kv write", "rope_kv_write",
-               {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": s_max}),
-              ("decode_attention", "decode_attention",
-               {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "S": s_max, "D": d})]
+                           [("linear qkv", "linear", {"M": batch, "K": h, "N": cfg.qkv_heads * d})], s_max)
+    if "attention" in fused:
+        calls.append(fc["attention"])
+    else:
+        calls += [("rope + kv write", "rope_kv_write",
+                   {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": s_max}),
+                  ("decode_attention", "decode_attention",
+                   {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "S": s_max, "D": d})]
     calls.append(fc["o"] if "o" in fused else ("linear o", "linear", {"M": batch, "K": cfg.heads * d, "N": h}))
     calls += _norm_and_proj("mlp", "gate_up", "o" not in fused, fused, cfg, batch,
                             [("linear gate_up", "linear", {"M": batch, "K": h, "N": 2 * cfg.ffn}),
-                             ("swiglu", "swiglu", {"M": batch, "I": cfg.ffn})])
+                             ("swiglu", "swiglu", {"M": batch, "I": cfg.ffn})], s_max)
     calls.append(fc["down"] if "down" in fused else ("linear down", "linear", {"M": batch, "K": cfg.ffn, "N": h}))
     return calls
 
@@ -180,7 +193,7 @@ def step_calls(cfg, batch: int, s_max: int, fused=frozenset()) -> list[tuple[str
     differs from the other layers', one layer, the final norm and LM head."""
     first = [] if "qkv" in fused else [("rmsnorm (layer 0)", "rmsnorm", {"M": batch, "N": cfg.hidden})]
     head = _norm_and_proj("final", "head", "down" not in fused, fused, cfg, batch,
-                          [("lm_head", "linear", {"M": batch, "K": cfg.hidden, "N": cfg.vocab})])
+                          [("lm_head", "linear", {"M": batch, "K": cfg.hidden, "N": cfg.vocab})], s_max)
     return first + layer_calls(cfg, batch, s_max, fused) + head
 
 
@@ -321,22 +334,38 @@ class TunedOps(StockOps):
             return self.table.call("linear_residual", x, weight, residual)
         return StockOps.linear_residual(self, x, weight, residual)
 
+    def rope_kv_attention(self, qkv, cos, sin, positions, k_cache, v_cache, scale):
+        """RoPE, the cache write and decode attention in one kernel: only where `fuses` said so
+        for these arguments (the step calls rope_kv_write and decode_attention elsewhere)."""
+        return self.table.call("rope_kv_attention", qkv, cos, sin, positions, k_cache, v_cache, scale)
+
     def silu_mul(self, gate_up):
         if self._routed("swiglu", (gate_up,)):
             return self.table.call("swiglu", gate_up)
         return StockOps.silu_mul(self, gate_up)
 
     def rope_context(self, model, positions):
-        """Stock's rotation matrices, plus cos/sin [B, D] in the model's dtype (Hugging Face's
-        rotate_half convention, shared by every layer) when the table has a rope_kv_write
-        entry for this step's shape: the spec's inputs."""
-        rope = StockOps.rope_context(self, model, positions)
+        """Stock's rotation matrices (made only if a layer runs stock RoPE), plus cos/sin [B, D]
+        in the model's dtype (Hugging Face's rotate_half convention, shared by every layer;
+        one gather from the model's table) when the table has a rope_kv_write or (fused)
+        rope_kv_attention entry for this step's shape: the specs' inputs."""
         c = model.cfg
         shape = {"B": int(positions.shape[0]), "Hq": c.heads, "Hkv": c.kv_heads, "D": c.head_dim,
                  "S": int(model.kv.shape[4])}
-        if self.table is not None and "rope_kv_write" not in self.stock_only and \
-                self.table.lookup("rope_kv_write", shape, DTYPE_NAMES.get(model.dtype, "")) is not None:
-            rope["cos"], rope["sin"] = model.rope_cos_sin(positions)
+        dtype = DTYPE_NAMES.get(model.dtype, str(model.dtype))
+        kernels = ("rope_kv_write", "rope_kv_attention") if self.fused else ("rope_kv_write",)
+        listed = [k for k in kernels if k not in self.stock_only and self.table is not None
+                  and self.table.lookup(k, shape, dtype) is not None]
+        if self.fused and "rope_kv_attention" not in listed:  # the step will not ask: say why here
+            self.used.setdefault(_shape_key("rope_kv_attention", shape, dtype), {
+                "impl": "stock", "reason": "no table entry" if self.table is not None
+                else self.table_note or "no dispatch table"})
+        if not listed:
+            return StockOps.rope_context(self, model, positions)
+        rope = StepTensors(rot=lambda: model.rope_matrices(positions),
+                           batch_idx=lambda: torch.arange(positions.shape[0], device=positions.device),
+                           cos_sin=lambda: model.rope_cos_sin(positions),
+                           cos=lambda: rope["cos_sin"][0], sin=lambda: rope["cos_sin"][1])
         return rope
 
     def rope_kv_write(self, qkv, rope, positions, k_cache, v_cache, heads):
@@ -359,19 +388,19 @@ class TunedOps(StockOps):
         return StockOps.decode_attention(self, q, k_cache, v_cache, seq_lens, scale, mask)
 
 
-def fused_points(ops, cfg, batch: int, dtype: str) -> frozenset:
+def fused_points(ops, cfg, batch: int, dtype: str, s_max: int) -> frozenset:
     """The FUSION_POINTS where the step ran (runs) a fused kernel: read from TunedOps' decisions
     after at least one step; empty for stock."""
     if not isinstance(ops, TunedOps):
         return frozenset()
-    return frozenset(p for p, (_, kernel, shape) in fused_calls(cfg, batch).items()
+    return frozenset(p for p, (_, kernel, shape) in fused_calls(cfg, batch, s_max).items()
                      if ops.runs_tuned(kernel, shape, dtype))
 
 
-def describe_fusions(ops, cfg, batch: int, dtype: str) -> dict[str, str]:
+def describe_fusions(ops, cfg, batch: int, dtype: str, s_max: int) -> dict[str, str]:
     """Per fusion point: the fused kernel that runs there, or why the unfused calls run."""
     out = {}
-    for point, (_, kernel, shape) in fused_calls(cfg, batch).items():
+    for point, (_, kernel, shape) in fused_calls(cfg, batch, s_max).items():
         record = ops.record(kernel, shape, dtype) if isinstance(ops, TunedOps) else None
         if not isinstance(ops, TunedOps):
             why = "unfused (stock variant)"
@@ -391,7 +420,7 @@ def describe_kernels(ops, cfg, batch: int, s_max: int, dtype: str) -> dict[str, 
     """Per call of the decode step (label): what runs -- the tuned entry's fields, or stock and
     why. Read after at least one step (TunedOps decides on the first call)."""
     out = {}
-    for label, kernel, shape in step_calls(cfg, batch, s_max, fused_points(ops, cfg, batch, dtype)):
+    for label, kernel, shape in step_calls(cfg, batch, s_max, fused_points(ops, cfg, batch, dtype, s_max)):
         record = ops.record(kernel, shape, dtype) if isinstance(ops, TunedOps) and kernel else None
         if kernel is None:
             record = {"impl": "stock", "reason": "torch add: the pending residual, summed before a fused norm"}
@@ -414,16 +443,18 @@ def kernels_per_layer(ops, cfg, batch: int, s_max: int, dtype: str) -> dict:
              "decode_attention": (1 if batch == 1 else 2) if ops.attention == "sdpa" else 4,
              "swiglu": 2, None: 1,
              # the fused kernels' stock compositions (listed only where a tuned entry runs)
-             "rmsnorm_linear": 2, "rmsnorm_gate_up_swiglu": 4, "linear_residual": 2}
-    fused = fused_points(ops, cfg, batch, dtype)
+             "rmsnorm_linear": 2, "rmsnorm_gate_up_swiglu": 4, "linear_residual": 2,
+             "rope_kv_attention": (3 if batch == 1 else 4) + (1 if batch == 1 else 2)}
+    fused = fused_points(ops, cfg, batch, dtype, s_max)
     described = describe_kernels(ops, cfg, batch, s_max, dtype)
     counts = {}
     for label, kernel, _ in layer_calls(cfg, batch, s_max, fused):
         d = described[label]
         counts[label] = d["launches"] if d["impl"].startswith("tuned") else stock[kernel]
-    rope_stock = not described["rope + kv write"]["impl"].startswith("tuned")
-    if described["decode_attention"]["impl"].startswith("tuned") and rope_stock and batch > 1:
-        counts["decode_attention"] += 1  # q made contiguous for the verified layout
+    if "attention" not in fused:
+        rope_stock = not described["rope + kv write"]["impl"].startswith("tuned")
+        if described["decode_attention"]["impl"].startswith("tuned") and rope_stock and batch > 1:
+            counts["decode_attention"] += 1  # q made contiguous for the verified layout
     counts["total"] = sum(counts.values())
     return counts
 

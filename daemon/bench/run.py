@@ -476,7 +476,7 @@ class Bench:
         doc["tuned_kernels"][f"{batch}x{ctx}" + ("" if ops.name == "tuned" else f" {ops.name}")] = used
         fields = {"kernels": {label: u["impl"] + (f" ({u['reason']})" if u.get("reason") else "")
                               for label, u in used.items()},
-                  "fusions": describe_fusions(ops, cfg, batch, dt),
+                  "fusions": describe_fusions(ops, cfg, batch, dt, s_max),
                   "kernel_source": table_note,
                   "kernels_per_layer": kernels_per_layer(ops, cfg, batch, s_max, dt),
                   "kernels_per_layer_stock": kernels_per_layer(stock, cfg, batch, s_max, dt)}

@@ -348,7 +348,11 @@ class CompilePool:
     def wait(self, keys, timeout_s: float = 300.0) -> None:
         from concurrent.futures import wait
 
-        pending = [self.futures[k] for k in keys if k in self.futures]
+        # A job still queued (behind the warm-up of every other config) is taken back: the
+        # case's own first launch compiles it now, beside the pool, instead of waiting its
+        # turn past the case's time limit (seen on the H200: a 288-config template's first
+        # case waited > 120 s and was killed). Only jobs a worker has started are waited for.
+        pending = [f for f in (self.futures[k] for k in keys if k in self.futures) if not f.cancel()]
         if pending:
             wait(pending, timeout=timeout_s)  # a failed compile is redone (and judged) in-process
 
@@ -485,12 +489,14 @@ class Executor:
                                "timed": round(t3 - t2, 4)}
         return {"ok": True, "result": result}
 
-    def draw_inputs(self, spec, shape, dt, dist, upper=False):
+    def draw_inputs(self, spec, shape, dt, dist, upper=False, timed=False):
         inputs = spec.make_inputs(shape, dt, self.device, self.gen(), dist)
+        if timed:
+            inputs = spec.timed_inputs(inputs)
         scalars = spec.draw_scalars(self.rng, shape)
         if upper:  # the upper half of each range: a hard-coded eps fails here if not before
             scalars = {k: math.sqrt(v * spec.scalar_ranges[k][1]) if k in spec.scalar_ranges and
-                       spec.name != "decode_attention" else v for k, v in scalars.items()}
+                       spec.upper_scalars else v for k, v in scalars.items()}
         inputs.update(scalars)
         return inputs
 
@@ -587,7 +593,7 @@ class Executor:
         dist = dists[offset % len(dists)]
         scalars = spec.draw_scalars(self.rng, shape)
         slots = [Slot(self.torch, plan, signature, self.device, self.gen())]
-        first = self.draw_inputs(spec, shape, dt, dist)
+        first = self.draw_inputs(spec, shape, dt, dist, timed=True)
         first.update(scalars)
         slots[0].load_inputs(first, spec.written(first))
         bounds = [bind(plan, kernels, slots[0].data, scalars)]
@@ -610,7 +616,7 @@ class Executor:
             state["inputs"] = []
             state["poison"] = []
             for s in slots:
-                inputs = self.draw_inputs(spec, shape, dt, dist)
+                inputs = self.draw_inputs(spec, shape, dt, dist, timed=True)
                 inputs.update(scalars)
                 s.load_inputs(inputs, spec.written(inputs))
                 state["inputs"].append(inputs)
@@ -665,13 +671,13 @@ class Executor:
         spec = self.SPECS[request["kernel"]]
         shape, dt = request["shape"], self.dtype_from_name(request["dtype"])
         dist = spec.distributions_for(dt)[0]
-        sets = [self.draw_inputs(spec, shape, dt, dist)]
+        sets = [self.draw_inputs(spec, shape, dt, dist, timed=True)]
         fn = lambda: spec.stock_call(sets[0])  # noqa: E731
         n = 1
         if self.cuda:
             fn()
             n = timing.calls_per_replay(timing.eager_ms(fn), 20)
-            sets += [self.draw_inputs(spec, shape, dt, dist) for _ in range(n - 1)]
+            sets += [self.draw_inputs(spec, shape, dt, dist, timed=True) for _ in range(n - 1)]
 
         def run_all():
             for s in sets:
@@ -679,7 +685,7 @@ class Executor:
 
         def refresh(rep):
             for s in sets:
-                fresh = self.draw_inputs(spec, shape, dt, dist)
+                fresh = self.draw_inputs(spec, shape, dt, dist, timed=True)
                 for k, v in fresh.items():
                     if hasattr(s[k], "copy_"):
                         s[k].copy_(v)

@@ -20,8 +20,11 @@ of the model changes:
   StaticLayer.update advances it) and returns RoPE'd q (not for Qwen3: its q_norm / k_norm sit
   between the projection and RoPE; not with an offloading cache); then at decode (a StaticCache
   full-attention layer, an SDPA or eager mask) hwtune::decode_attention over the whole static
-  cache with each sequence's valid length read from the mask; anywhere else (prefill, other
-  caches) the model's own attention function; o_proj through hwtune::linear;
+  cache with each sequence's valid length read from the mask; with `fused=True` and a
+  rope_kv_attention entry, that cache write and the decode attention are one
+  hwtune::rope_kv_attention (a padded row takes the unfused path eagerly, NaN when compiled);
+  anywhere else (prefill, other caches) the model's own attention function; o_proj through
+  hwtune::linear;
 - lm_head -> hwtune::linear;
 - with `fused=True` (the default), each decoder layer whose norms, attention and MLP were all
   patched -> HwtuneDecoderLayer where the table routes a fused kernel for it: input_layernorm +
@@ -243,7 +246,7 @@ class HwtuneAttention(nn.Module):
     for one-token steps on a StaticCache full-attention layer."""
 
     def __init__(self, original: nn.Module, routes: _Routes, shared: list, attention_function,
-                 guards_padding: bool):
+                 guards_padding: bool, fused: bool = False):
         super().__init__()
         for name, value in vars(original).items():   # config, layer_idx, head_dim, scaling, ...
             if not name.startswith("_") and name != "training":
@@ -264,6 +267,10 @@ class HwtuneAttention(nn.Module):
         self._rope = routes.tuned("rope", weight.dtype, heads, ("B",))
         self._rope_kv = routes.tuned("rope_kv_write", weight.dtype, heads, ("B", "S"))
         self._decode_shapes = routes.tuned("decode_attention", weight.dtype, heads, ("B", "S"))
+        # RoPE + cache write + decode attention in one kernel (patch(fused=True) only; not with
+        # q_norm / k_norm between the projection and RoPE)
+        self._rope_kv_attn = routes.tuned("rope_kv_attention", weight.dtype, heads, ("B", "S")) \
+            if fused and self.q_norm is None else frozenset()
         # Under torch.compile a padded row is turned into NaN once, in the first patched layer
         # (NaN then flows through every later layer): one small kernel per step, not per layer.
         self._guards_padding = guards_padding
@@ -300,6 +307,13 @@ class HwtuneAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
         layer = self._kv_write_layer(cache, qkv, cos, cache_position) if q_len == 1 else None
+        if layer is not None and _uses(self._rope_kv_attn, (bsz, layer.keys.shape[2])) and \
+                self._static_layer(cache, layer.keys, attention_mask):
+            out = self._fused_decode(qkv, cos, sin, layer, attention_mask)
+            if out is not None:
+                return out.reshape(bsz, q_len, hq * d)
+        if layer is not None and not _uses(self._rope_kv, (bsz, layer.keys.shape[2])):
+            layer = None
         if layer is not None:
             # RoPE'd k and v go straight into the StaticCache layer's own tensors, at the slot
             # StaticLayer.update would write (its cumulative_length), which then advances as
@@ -335,12 +349,12 @@ class HwtuneAttention(nn.Module):
         return out.reshape(bsz, q_len, hq * d)
 
     def _kv_write_layer(self, cache, qkv, cos, cache_position):
-        """The StaticCache layer hwtune::rope_kv_write writes into at this one-token step, or
-        None (today's path: RoPE, then cache.update): only where the table has a tuned entry
-        for the shape, an initialised full-attention StaticLayer of transformers 5 (keys and
-        values are allocated by its first update, the prefill's), no offloading, no q/k norm
-        between projection and RoPE (Qwen3), tensors of the op's dtypes and layout. Static
-        under torch.compile (types, attributes, shapes)."""
+        """The StaticCache layer hwtune::rope_kv_write (or rope_kv_attention) writes into at this
+        one-token step, or None (today's path: RoPE, then cache.update): only where the table
+        has a tuned entry of either for the shape, an initialised full-attention StaticLayer of
+        transformers 5 (keys and values are allocated by its first update, the prefill's), no
+        offloading, no q/k norm between projection and RoPE (Qwen3), tensors of the op's dtypes
+        and layout. Static under torch.compile (types, attributes, shapes)."""
         layers = getattr(cache, "layers", None)
         if layers is None or self.q_norm is not None or cache_position is not None or \
                 getattr(cache, "offloading", False):
@@ -355,9 +369,36 @@ class HwtuneAttention(nn.Module):
                 keys.dtype != qkv.dtype or values.dtype != qkv.dtype or cos.dtype != qkv.dtype or \
                 not (keys.is_contiguous() and values.is_contiguous()) or keys.device != qkv.device:
             return None
-        if not _uses(self._rope_kv, (bsz, keys.shape[2])):
+        if not (_uses(self._rope_kv, (bsz, keys.shape[2])) or _uses(self._rope_kv_attn, (bsz, keys.shape[2]))):
             return None
         return layer
+
+    def _fused_decode(self, qkv, cos, sin, layer, mask):
+        """hwtune::rope_kv_attention at this one-token step: RoPE'd k and v written into the
+        StaticCache layer at its cumulative_length (advanced as StaticLayer.update would), the
+        attention over slots 0..that position; -> [B, Hq, D]. The kernel attends to exactly the
+        slots up to the new token: a mask that says otherwise for a row (padding) sends the step
+        down the unfused path eagerly (None, nothing written) and, under torch.compile (no host
+        sync), makes that row NaN in the first patched layer, as _decode does."""
+        bsz, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        keys, values = layer.keys, layer.values
+        positions = layer.cumulative_length.reshape(1).expand(bsz)
+        compiling = torch.compiler.is_compiling()
+        ok = None
+        if mask is not None and (self._guards_padding or not compiling):
+            row = mask[:, 0, -1, :]
+            valid = row if row.dtype == torch.bool else row == 0
+            want = torch.arange(keys.shape[2], device=valid.device)[None, :] <= positions[:, None]
+            ok = (valid == want).all(dim=-1)
+            if not compiling and not bool(ok.all()):
+                return None
+        out = torch.ops.hwtune.rope_kv_attention(qkv.reshape(bsz, hq + 2 * hkv, d), cos.reshape(-1, d),
+                                                 sin.reshape(-1, d), positions, keys, values,
+                                                 float(self.scaling), self.table)
+        layer.cumulative_length.add_(1)
+        if ok is not None and compiling:
+            out = torch.where(ok[:, None, None], out, float("nan"))
+        return out
 
     def _static_layer(self, cache, keys, mask) -> bool:
         """A one-token step the decode kernel handles: a StaticCache full-attention layer and a
@@ -407,6 +448,9 @@ class HwtuneAttention(nn.Module):
         return out
 
 
+# The attention modules that run RoPE + cache write + decode attention as one kernel (where the
+# table routes rope_kv_attention): PatchReport.patched key.
+FUSED_ATTENTION = "fused rope+kv write+attention"
 # The four fused parts of a decoder layer: PatchReport.patched key -> the kernel it runs.
 FUSED_PARTS = {"fused norm+qkv": "rmsnorm_linear", "fused o+residual": "linear_residual",
                "fused norm+gate_up+swiglu": "rmsnorm_gate_up_swiglu", "fused down+residual": "linear_residual"}
@@ -707,8 +751,11 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
                 if getattr(attn, norm, None) is not None:
                     swap(attn, norm, HwtuneRMSNorm(getattr(attn, norm), routes), "rms_norm")
             first = "attention" not in report.patched
-            swap(layer, "self_attn", HwtuneAttention(attn, routes, record.shared, attention_function,
-                                                     guards_padding=first), "attention")
+            new_attn = HwtuneAttention(attn, routes, record.shared, attention_function,
+                                       guards_padding=first, fused=fused)
+            swap(layer, "self_attn", new_attn, "attention")
+            if new_attn._rope_kv_attn is None or new_attn._rope_kv_attn:
+                report.patched[FUSED_ATTENTION] = report.patched.get(FUSED_ATTENTION, 0) + 1
         else:
             skipped.setdefault("layers.*.self_attn", type(attn).__name__)
     # the fused kernels, where the table routes any of them (or every shape goes through the ops)
@@ -804,14 +851,15 @@ def decode_shapes(config, batches, context, fused: bool = True) -> dict[str, lis
     rope_kv_write are listed: the step calls rope_kv_write where it is tuned, else rope. `fused`
     (patch(..., fused=True)): also the fused decoder-layer kernels' shapes, rmsnorm_linear
     {M, K, N} (input norm + q|k|v), rmsnorm_gate_up_swiglu {M, K, I} and linear_residual {M, K, N}
-    (o_proj, down_proj); the unfused shapes stay listed (the path where a fused one loses)."""
+    (o_proj, down_proj), and rope_kv_attention {B, Hq, Hkv, D, S} (not Qwen3); the unfused shapes
+    stay listed (the path where a fused one loses)."""
     batches = [batches] if isinstance(batches, int) else list(batches)
     contexts = [context] if isinstance(context, int) else list(context)
     h, i = config.hidden_size, config.intermediate_size
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
     d = getattr(config, "head_dim", None) or h // hq
     out: dict[str, list[dict]] = {k: [] for k in ("rmsnorm", "linear", "swiglu", "rope", "rope_kv_write",
-                                                  "decode_attention", "rmsnorm_linear",
+                                                  "rope_kv_attention", "decode_attention", "rmsnorm_linear",
                                                   "rmsnorm_gate_up_swiglu", "linear_residual")}
 
     def add(kernel, shape):
@@ -836,6 +884,8 @@ def decode_shapes(config, batches, context, fused: bool = True) -> dict[str, lis
         for s in contexts:
             if not per_head_norms:
                 add("rope_kv_write", {"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s})
+                if fused:
+                    add("rope_kv_attention", {"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s})
             add("decode_attention", {"B": b, "Hq": hq, "Hkv": hkv, "S": s, "D": d})
     return {k: v for k, v in out.items() if v}
 

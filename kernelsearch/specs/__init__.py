@@ -5,7 +5,7 @@ from kernelsearch.specs.base import (DISTRIBUTIONS, DTYPES, KernelSpec, dtype_fr
                                      dtype_name)
 from kernelsearch.specs import (add_rmsnorm, decode_attention, linear, linear_residual, matmul,
                                rmsnorm, rmsnorm_gate_up_swiglu, rmsnorm_linear, rope,
-                               rope_kv_write, softmax, swiglu)
+                               rope_kv_attention, rope_kv_write, softmax, swiglu)
 
 SPECS: dict[str, KernelSpec] = {
     "rmsnorm": rmsnorm.SPEC,
@@ -20,6 +20,7 @@ SPECS: dict[str, KernelSpec] = {
     "rmsnorm_linear": rmsnorm_linear.SPEC,
     "rmsnorm_gate_up_swiglu": rmsnorm_gate_up_swiglu.SPEC,
     "linear_residual": linear_residual.SPEC,
+    "rope_kv_attention": rope_kv_attention.SPEC,
 }
 
 

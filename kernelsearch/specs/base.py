@@ -104,6 +104,14 @@ class KernelSpec:
     def make_outputs(self, shape: dict, dtype, device) -> dict:
         raise NotImplementedError
 
+    def timed_inputs(self, inputs: dict) -> dict:
+        """Fresh inputs (from make_inputs) made into what a timed call gets, candidate and stock
+        alike; the calls are checked all the same. By default unchanged. A spec whose work
+        depends on the data makes it the work `bytes()` counts (decode attention: every
+        sequence at the full cache length, as in a decode step; the checked calls draw
+        lengths at random)."""
+        return inputs
+
     def reference(self, inputs: dict) -> dict:
         """fp64 outputs, computed on the inputs' device."""
         raise NotImplementedError
@@ -139,6 +147,9 @@ class KernelSpec:
     # Contract scalars (eps, scale): drawn per trial from the op's valid range, so a kernel
     # that ignores one (a hard-coded eps) fails. name -> (low, high), log-uniform.
     scalar_ranges: dict[str, tuple[float, float]] = {}
+    # The second checked trial moves each scalar into the upper half of its range (a hard-coded
+    # eps fails there if not before); False where draw_scalars maps the range itself.
+    upper_scalars: bool = True
 
     def draw_scalars(self, rng, shape: dict) -> dict:
         """One trial's scalar arguments (rng: random.Random the candidate never sees)."""
