@@ -8,6 +8,13 @@
 #   bench/issue13_gpu.sh A               search (decode attention deeper first), then the hf-llama
 #                                        rows on that table
 #   bench/issue13_gpu.sh B TABLE         the built-in rows (no compile row), the gap breakdown, GPU tests
+#   bench/issue13_gpu.sh C TABLE         TABLE without its decode_attention entries, decode attention
+#                                        searched again (timed at full cache length), the built-in
+#                                        rows, the gap breakdown, bench/attn_probe.py, an ncu report
+#                                        of the batch-32 attention kernel, the GPU guard tests
+#   bench/issue13_gpu.sh D TABLE         TABLE as it is, rope_kv_attention searched into it (timed at
+#                                        full cache length), then the built-in rows, the hf-llama
+#                                        rows and the gap breakdown on that one table
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -23,6 +30,23 @@ hf_rows() {
       --steps 32 --warmup 4 --check 4 --energy-window-s 2 --table "$1" --out "$OUT/hf" > "$OUT/hf.log" 2>&1
   echo "bench rc=$?" >> "$OUT/hf.log"
   cp "$OUT/hf/results.json" "$OUT/hf-results.json" 2>/dev/null; rm -rf "$OUT/hf"
+}
+seed_table() {  # seed_table TABLE [KERNEL]: $ST's table for this device = TABLE, less KERNEL's entries
+  python3 - "$1" "$ST" "${2:-}" <<'PY'
+import json, sys
+from pathlib import Path
+from kernelsearch.fingerprint import collect, fingerprint_id
+seed, state, drop = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+doc = json.loads(Path(seed).read_text())
+fp = fingerprint_id(collect("cuda"))
+if doc.get("fingerprint_id") != fp:
+    print(f"seed table is for {doc.get('fingerprint_id')}, this device is {fp}: not seeded")
+    sys.exit(0)
+doc["entries"] = [e for e in doc["entries"] if e["kernel"] != drop]
+(state / "dispatch").mkdir(parents=True, exist_ok=True)
+(state / "dispatch" / f"{fp}.json").write_text(json.dumps(doc))
+print(f"seeded {len(doc['entries'])} entries" + (f" ({drop} left out)" if drop else "") + f" for {fp}")
+PY
 }
 case "$what" in
 A)
@@ -47,6 +71,51 @@ B)
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_verifier_guards.py tests/test_gaps.py > "$OUT/gputests.txt" 2>&1
   timeout 100 python3 -m pytest -q -p no:cacheprovider -k "ptx or PTX" tests/test_kernel_linear_residual.py \
       tests/test_kernel_rmsnorm_linear.py tests/test_kernel_rmsnorm_gate_up_swiglu.py tests/test_linear_gemv.py >> "$OUT/gputests.txt" 2>&1 ;;
+C)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  seed_table "$table" decode_attention
+  timeout ${ATTN_S:-150} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels decode_attention --budget-s ${ATTN_BUDGET:-120} --evals ${ATTN_EVALS:-40}
+  echo "attention search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json"   # the other kernels' shapes: as TABLE has them
+  timeout 200 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 1x2048,32x2048 --variants graphed,tuned-unfused,tuned --budget-s 180 \
+      --energy-window-s 2 --table "$OUT/dispatch.json" --out "$OUT/builtin"
+  echo "bench rc=$?"
+  cp "$OUT/builtin/results.json" "$OUT/builtin-results.json"; rm -rf "$OUT/builtin"
+  timeout 200 python3 bench/gaps_gpu.py --table "$OUT/dispatch.json" --shapes 1x2048,32x2048 --out "$OUT"
+  echo "gaps rc=$?"; rm -f "$OUT"/events-*.json
+  timeout 120 python3 bench/attn_probe.py --json "$OUT/attn-probe.json"
+  echo "probe rc=$?"
+  cfg=$(python3 -c "import json,sys; e=[e for e in json.load(open('$OUT/dispatch.json'))['entries'] if e['kernel']=='decode_attention' and e['shape']['B']==32 and e['shape']['S']==2112]; print(json.dumps(e[0]['params']) if e else '{}')")
+  echo "ncu config B=32: $cfg"
+  timeout 120 ncu --clock-control none -k regex:_split_kernel -c 1 --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+      --section SchedulerStats python3 bench/attn_probe.py --one "32:$cfg" > "$OUT/ncu.txt" 2>&1
+  echo "ncu rc=$?"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_verifier_guards.py
+  echo "gpu tests rc=$?" ;;
+D)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  seed_table "$table"
+  timeout ${ATTN_S:-200} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels rope_kv_attention --budget-s ${ATTN_BUDGET:-180} --evals ${ATTN_EVALS:-40}
+  echo "rope_kv_attention search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+  timeout 200 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 1x2048,32x2048 --variants graphed,tuned-unfused,tuned --budget-s 180 \
+      --energy-window-s 2 --table "$OUT/dispatch.json" --out "$OUT/builtin"
+  echo "bench rc=$?"
+  cp "$OUT/builtin/results.json" "$OUT/builtin-results.json"; rm -rf "$OUT/builtin"
+  timeout ${HF_S:-240} python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
+      --shapes 1x2048,32x2048 --variants hf-eager,hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 220 \
+      --steps 32 --warmup 4 --check 4 --energy-window-s 2 --table "$OUT/dispatch.json" --out "$OUT/hf"
+  echo "hf bench rc=$?"
+  cp "$OUT/hf/results.json" "$OUT/hf-results.json"; rm -rf "$OUT/hf"
+  timeout 150 python3 bench/gaps_gpu.py --table "$OUT/dispatch.json" --shapes 1x2048,32x2048 --out "$OUT"
+  echo "gaps rc=$?"; rm -f "$OUT"/events-*.json ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-6} --json "$OUT/search.json" > "$OUT/search.log" 2>&1
