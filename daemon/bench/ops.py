@@ -80,11 +80,12 @@ class StockOps:
     def linear_residual(self, x, weight, residual):
         return residual + F.linear(x, weight)
 
-    def rope_context(self, model, positions):
+    def rope_context(self, model, positions, **more):
         """Per-step RoPE state shared by every layer (StepTensors): rotation matrices
-        [B, D, D] and the batch index of the cache write."""
+        [B, D, D] and the batch index of the cache write (plus the makers in `more`)."""
         return StepTensors(rot=lambda: model.rope_matrices(positions),
-                           batch_idx=lambda: torch.arange(positions.shape[0], device=positions.device))
+                           batch_idx=lambda: torch.arange(positions.shape[0], device=positions.device),
+                           **more)
 
     def rope_kv_write(self, qkv, rope, positions, k_cache, v_cache, heads):
         """qkv [B, Hq+2Hkv, D] -> q [B, Hq, D] rotated; rotated k and v written into the caches
@@ -362,10 +363,8 @@ class TunedOps(StockOps):
                 else self.table_note or "no dispatch table"})
         if not listed:
             return StockOps.rope_context(self, model, positions)
-        rope = StepTensors(rot=lambda: model.rope_matrices(positions),
-                           batch_idx=lambda: torch.arange(positions.shape[0], device=positions.device),
-                           cos_sin=lambda: model.rope_cos_sin(positions),
-                           cos=lambda: rope["cos_sin"][0], sin=lambda: rope["cos_sin"][1])
+        rope = StockOps.rope_context(self, model, positions, cos_sin=lambda: model.rope_cos_sin(positions),
+                                     cos=lambda: rope["cos_sin"][0], sin=lambda: rope["cos_sin"][1])
         return rope
 
     def rope_kv_write(self, qkv, rope, positions, k_cache, v_cache, heads):
