@@ -19,6 +19,45 @@ from pathlib import Path
 import torch
 
 
+def layer_positions(steps, layers: int) -> list[dict]:
+    """Each kernel position within a layer, its name and its median duration over the steps and
+    layers 1..L-1: which of a layer's kernels takes how long inside the step. A layer is the
+    longest period whose kernel names repeat over layers - 1 consecutive layers ending at most
+    a period before the end of the step (layer 0 is left out: the step makes some per-step
+    tensors at first use, inside it; after the last layer may come a residual add)."""
+    import statistics
+
+    rows: dict[int, dict] = {}
+    tail = max(1, layers - 1)
+    for events in steps:
+        names = [e["name"] for e in events]
+        n = len(names)
+        found = next(((k, n - trail - tail * k) for k in range(n // layers, 0, -1)
+                      for trail in range(k) if n - trail - tail * k >= 0
+                      and all(names[n - trail - tail * k + i] == names[n - trail - tail * k + i + k]
+                              for i in range((tail - 1) * k))), None)
+        if found is None:
+            continue
+        per, first = found
+        for i, e in enumerate(events[first:first + per * tail]):
+            pos = i % per
+            row = rows.setdefault(pos, {"position": pos, "name": e["name"], "durs": []})
+            row["durs"].append(float(e["dur_us"]))
+    out = []
+    for pos in sorted(rows):
+        durs = rows[pos].pop("durs")
+        out.append(dict(rows[pos], median_us=statistics.median(durs), n=len(durs)))
+    return out
+
+
+def position_table(rows) -> str:
+    if not rows:
+        return "(no layer pattern repeating over the layers: no per-position table)\n"
+    lines = ["| position in a layer | kernel | median us (layers 1..L-1, all steps) |", "|---:|---|---:|"]
+    lines += [f"| {r['position']} | `{r['name'][:60]}` | {r['median_us']:.2f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", required=True)
@@ -73,6 +112,10 @@ def main(argv=None) -> int:
                       f"kernels per layer by the op count: {kpl.get('total')})\n")
             md.append(text_md + "\n")
             raw = result.pop("raw")
+            if name != "graphed":
+                per_pos = layer_positions(raw.get("steps") or [], args.layers)
+                result["per_layer_position"] = per_pos
+                md.append(position_table(per_pos))
             doc["rows"].append({"variant": name, "batch": batch, "ctx": ctx, "rel_l2": err,
                                 "kernels_per_layer_counted": kpl, "breakdown": result})
             (out / f"events-{name}-b{batch}.json").write_text(json.dumps(raw)) if batch == 1 and name == "tuned" else None

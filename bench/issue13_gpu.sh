@@ -15,6 +15,12 @@
 #   bench/issue13_gpu.sh D TABLE         TABLE as it is, rope_kv_attention searched into it (timed at
 #                                        full cache length), then the built-in rows, the hf-llama
 #                                        rows and the gap breakdown on that one table
+#   bench/issue13_gpu.sh E TABLE         TABLE as it is, the four projection templates searched into
+#                                        it over all their CONFIGS (their entries are stale once their
+#                                        source changed): $OUT/dispatch.json
+#   bench/issue13_gpu.sh F TABLE         on TABLE: the built-in rows, the hf-llama rows and the gap
+#                                        breakdown (E and F: one device call each, < 10 minutes)
+#   bench/issue13_gpu.sh G TABLE         on TABLE: the gap breakdown alone (per layer position too)
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -116,9 +122,38 @@ D)
   cp "$OUT/hf/results.json" "$OUT/hf-results.json"; rm -rf "$OUT/hf"
   timeout 150 python3 bench/gaps_gpu.py --table "$OUT/dispatch.json" --shapes 1x2048,32x2048 --out "$OUT"
   echo "gaps rc=$?"; rm -f "$OUT"/events-*.json ;;
+E)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  seed_table "$table"
+  timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels linear,linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s ${BUDGET:-500} \
+      --evals ${EVALS:-20} --json "$OUT/search.json"
+  echo "projection search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json" ;;
+F)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  timeout 200 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 1x2048,32x2048 --variants graphed,tuned-unfused,tuned --budget-s 180 \
+      --energy-window-s 2 --table "$table" --out "$OUT/builtin"
+  echo "bench rc=$?"
+  cp "$OUT/builtin/results.json" "$OUT/builtin-results.json"; rm -rf "$OUT/builtin"
+  timeout ${HF_S:-240} python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
+      --shapes 1x2048,32x2048 --variants hf-eager,hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 220 \
+      --steps 32 --warmup 4 --check 4 --energy-window-s 2 --table "$table" --out "$OUT/hf"
+  echo "hf bench rc=$?"
+  cp "$OUT/hf/results.json" "$OUT/hf-results.json"; rm -rf "$OUT/hf"
+  timeout 150 python3 bench/gaps_gpu.py --table "$table" --shapes 1x2048,32x2048 --out "$OUT"
+  echo "gaps rc=$?"; rm -f "$OUT"/events-*.json ;;
+G)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  timeout 200 python3 bench/gaps_gpu.py --table "$table" --shapes 1x2048,32x2048 --out "$OUT"
+  echo "gaps rc=$?"; rm -f "$OUT"/events-*.json ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
-      --budget-s ${BUDGET:-480} --evals ${EVALS:-6} --json "$OUT/search.json" > "$OUT/search.log" 2>&1
+      --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1
   echo "search rc=$?" >> "$OUT/search.log"
   cp $ST/dispatch/*.json "$OUT/dispatch.json" 2>/dev/null ;;
 bench)

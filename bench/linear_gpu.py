@@ -44,10 +44,29 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def decode_shapes() -> list[dict]:
+def decode_shapes(batches=(1, 32)) -> list[dict]:
     from kernelsearch.specs.linear import LLAMA3_8B_KN
 
-    return [{"M": m, "K": k, "N": n} for m in (1, 32) for k, n in LLAMA3_8B_KN]
+    return [{"M": m, "K": k, "N": n} for m in batches for k, n in LLAMA3_8B_KN]
+
+
+def swapab_sweep() -> list[dict]:
+    """Points of the linear template's SPACE for its "swapab" variant at batch 32 (not CONFIGS:
+    this is where CONFIGS' swapab entries come from): weight tiles of 64-256 rows x 64-128,
+    pipelines 3-10 deep, 1-4 splits."""
+    from kernelsearch.kernels import linear
+
+    pts = []
+    for bn, bk, stages, warps in [(64, 64, 6, 4), (64, 64, 10, 4), (64, 128, 4, 4), (64, 128, 6, 4),
+                                  (128, 64, 6, 4), (128, 64, 10, 4), (128, 128, 3, 4),
+                                  (128, 128, 5, 4), (128, 64, 8, 8), (256, 64, 4, 8),
+                                  (256, 64, 6, 8)]:
+        for sk in (1, 2, 4):
+            p = {"variant": "swapab", "BLOCK_M": 32, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
+                 "SPLIT_K": sk, "FMA": 0, "num_warps": warps, "num_stages": stages, "REDUCE": "last"}
+            if linear._valid(p):
+                pts.append(p)
+    return pts
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
@@ -148,6 +167,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (interpreter)")
     ap.add_argument("--configs", type=int, default=12, help="first N CONFIGS (default 12)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, fewer calls (smoke test)")
+    ap.add_argument("--batches", default="1,32", help="M of the decode shapes (default 1,32)")
+    ap.add_argument("--sweep-swapab", action="store_true",
+                    help="also time swapab_sweep()'s points (batch-32 tiles outside CONFIGS)")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="stop starting shapes after this many seconds (0: no limit)")
     ap.add_argument("--out", default=None, help="directory for linear_gpu.json")
     args = ap.parse_args(argv)
     cpu = args.device == "cpu"
@@ -167,10 +191,13 @@ def main(argv=None) -> int:
     if not cpu:
         torch.cuda.set_device(torch.device(device).index or 0)
     dtype = torch.bfloat16
-    shapes = QUICK_SHAPES if args.quick else decode_shapes()
+    shapes = QUICK_SHAPES if args.quick else decode_shapes(
+        tuple(int(b) for b in args.batches.split(",")))
     calls = 2 if cpu else (4 if args.quick else CALLS_PER_GRAPH)
     replays = 1 if cpu else (5 if args.quick else REPLAYS)
     configs = linear.CONFIGS[:args.configs]
+    if args.sweep_swapab:
+        configs += [p for p in swapab_sweep() if p not in configs]
     t_start = time.monotonic()
     copy_gbs = copy_bandwidth_gbs(device, (64 << 20) if cpu else COPY_BYTES)
     log(f"copy bandwidth {copy_gbs:.0f} GB/s (read + write){' (cpu)' if cpu else ''}")
@@ -181,6 +208,9 @@ def main(argv=None) -> int:
     peers += [(label(p), p, (lambda p: lambda x, w, o: linear.launch(x, w, o, **p))(p)) for p in configs]
     rows, failed = [], 0
     for shape in shapes:
+        if args.budget_s and time.monotonic() - t_start > args.budget_s:
+            log(f"budget spent: M={shape['M']} K={shape['K']} N={shape['N']} and later not timed")
+            break
         wbytes = shape["N"] * shape["K"] * 2
         copies = 1 if cpu else max(1, min(calls, math.ceil(ROTATE_BYTES / wbytes)))
         case = Case(shape, dtype, device, copies, gen)

@@ -146,6 +146,11 @@ class DispatchTable:
             self._device_ok[device_type] = bool(want) and want == fingerprint_id(collect(device_type))
         return self._device_ok[device_type]
 
+    def usable(self, entry: Entry) -> bool:
+        """Whether `entry` routes at all: its source present and unchanged since the search
+        (source_hash), its plan valid against it. A stale entry is ignored by `route` (stock)."""
+        return self._tuned(entry) is not None
+
     def _tuned(self, entry: Entry):
         """The entry's verified plan as a callable, or None when its source is missing or
         changed, or its plan does not validate against the source."""

@@ -230,3 +230,31 @@ def test_profile_sees_each_kernel_of_a_graphed_step():
     assert len(raw["steps"]) == 5 and all(len(s) == 3 for s in raw["steps"])
     b = gaps.breakdown(raw["steps"], raw["step_ms"], layers=1)
     assert b["kernels_per_step"] == 3 and b["busy_ms"] > 0 and b["step_ms"] >= b["busy_ms"]
+
+
+def test_bench_gaps_gpu_finds_each_layer_position_past_a_lazy_prologue_and_a_trailing_add():
+    """bench/gaps_gpu.py's per-position table: layer 0 carries kernels the others do not (per-step
+    tensors made at first use), a residual add follows the last layer; the positions come from
+    layers 1..L-1 and their medians from every step."""
+    import importlib.util
+
+    from tests.conftest import ROOT as repo
+
+    spec = importlib.util.spec_from_file_location("gaps_gpu", repo / "bench" / "gaps_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def ev(name, us):
+        return {"name": name, "dur_us": us, "start_us": 0.0}
+
+    def layer(scale):
+        return [ev("norm", 2), ev("qkv", 10 * scale), ev("attn", 60), ev("o", 12), ev("norm", 2),
+                ev("gate_up", 60), ev("down", 30)]
+
+    steps = [[ev("embed", 2), ev("rmsnorm", 2)] + layer(s)[1:3] + [ev("gather", 3)] + layer(s)[3:]
+             + sum((layer(s) for _ in range(7)), []) + [ev("add", 1)] for s in (1.0, 1.2, 1.4)]
+    rows = mod.layer_positions(steps, 8)
+    assert [r["name"] for r in rows] == ["norm", "qkv", "attn", "o", "norm", "gate_up", "down"]
+    assert rows[1]["median_us"] == 12.0 and rows[1]["n"] == 21  # 7 layers x 3 steps
+    assert "| 1 | `qkv` | 12.00 |" in mod.position_table(rows)
+    assert "no per-position table" in mod.position_table(mod.layer_positions([[ev("a", 1)]], 8))

@@ -40,6 +40,7 @@ HARNESS_CASES = {
     "gemv_split2_launch": _p("gemv", 8, 32, 32, 2, "launch"),
     "splitk_dot_direct": _p("splitk", 32, 32, 32, 1),
     "splitk_dot_split3_last": _p("splitk", 16, 32, 32, 3, "last"),
+    "swapab_dot_split3_last": _p("swapab", 16, 64, 32, 3, "last"),
 }
 
 
@@ -79,7 +80,7 @@ def test_a_small_grid_search_tries_batch_1_and_batch_32_configs(budget):
     REGISTRY["grid"](mod.SPACE, evaluate, budget, random.Random(0),
                      allowed=allowed_from_configs(mod.CONFIGS))
     n1 = sum(p["variant"] == "gemv" for p in seen)
-    n32 = sum(p["variant"] == "splitk" and p["BLOCK_M"] >= 32 for p in seen)
+    n32 = sum(p["variant"] in ("splitk", "swapab") and p["BLOCK_M"] >= 32 for p in seen)
     assert len(seen) == budget and n1 >= 1 and n32 >= 1, seen
     if budget >= 6:
         assert n1 >= 3 and n32 >= 3, seen
@@ -102,6 +103,8 @@ configs = {
     "splitk_direct": p("splitk", 32, 16, 32, 1),
     "splitk_split4_last": p("splitk", 16, 16, 32, 4, "last"),
     "splitk_split3_launch": p("splitk", 16, 16, 32, 3, "launch"),
+    "swapab_direct": p("swapab", 32, 64, 32, 1),
+    "swapab_split3_last": p("swapab", 16, 64, 32, 3, "last"),
 }
 g = torch.Generator().manual_seed(7)
 report = {}
@@ -191,7 +194,8 @@ for p in L.CONFIGS:
         c.update(BLOCK_M=1, UNROLL=p["UNROLL"], LOOP_STAGES=p["num_stages"] if p["PIPE"] else 1)
         fn = L._gemv_kernel
     else:
-        c.update(BLOCK_M=32, UPCAST=False, DOT_PRECISION="tf32", RED_M=32)
+        c.update(BLOCK_M=32, UPCAST=False, DOT_PRECISION="tf32", RED_M=32,
+                 SWAP=p["variant"] == "swapab")
         fn = L._splitk_kernel
     ptx = compile_ptx(fn, c, p["num_warps"], p["num_stages"])
     loads = re.findall(r"ld\.global[^;]*", ptx)
@@ -204,7 +208,8 @@ for p in L.CONFIGS:
                  # the pipelined gemv's weight copies carry an L2 evict_first policy
                  "weight_cp_16": len(re.findall(r"cp\.async\.cg\.shared\.global\.L2::cache_hint[^;]*0x10", ptx)),
                  "weight_cp_narrow": len(re.findall(r"cp\.async[.\w]*\.L2::cache_hint(?![^;]*0x10)[^;]*;", ptx)),
-                 "evict_first_policy": "createpolicy.fractional.L2::evict_first" in ptx})
+                 "evict_first_policy": "createpolicy.fractional.L2::evict_first" in ptx,
+                 "wgmma": len(re.findall(r"wgmma\.mma_async", ptx))})
 print(json.dumps(rows))
 """
 
@@ -228,7 +233,11 @@ def test_weight_loads_are_16_byte_vectors_in_the_sm90_ptx_and_nothing_spills():
         p = row["params"]
         assert row["spills"] == 0 and row["regs"] is not None, row
         assert row["weight_narrow"] == 0, row
-        if p["variant"] == "splitk":
+        if p["variant"] == "swapab":  # the weight tile as wgmma's operand, 16-byte cp.async
+            assert row["cp_async_16"] >= 8 and row["cp_async_narrow"] == 0 and row["wgmma"] > 0, row
+            if CP_ASYNC_KEEPS_L2_POLICY:
+                assert row["weight_cp_16"] >= 4 and row["evict_first_policy"], row
+        elif p["variant"] == "splitk":
             assert row["cp_async_16"] >= 8 and row["cp_async_narrow"] == 0, row
         elif not p["PIPE"]:
             assert row["weight_v4"] >= 2 and row["cp_async_16"] == 0, row

@@ -56,7 +56,7 @@ def test_a_small_grid_search_tries_batch_1_and_batch_32_decode_configs(budget):
                      allowed=allowed_from_configs(mod.CONFIGS))
     assert len(seen) == budget
     n1 = sum(p["variant"] == "gemv" for p in seen)
-    n32 = sum(p["variant"] == "splitk" and p["BLOCK_M"] >= 32 for p in seen)
+    n32 = sum(p["variant"] in ("splitk", "swapab") and p["BLOCK_M"] >= 32 for p in seen)
     assert n1 >= 1 and n32 >= 1, seen
     if budget >= 6:
         assert n1 >= 3 and n32 >= 3, seen
@@ -66,17 +66,18 @@ def test_first_config_is_a_batch_1_gemv_and_the_middle_one_a_batch_32_dot():
     configs = _template().CONFIGS
     assert configs[0]["variant"] == "gemv" and not configs[0]["PIPE"]
     mid = configs[len(configs) // 2]
-    assert mid["variant"] == "splitk" and mid["BLOCK_M"] >= 32
+    assert mid["variant"] in ("splitk", "swapab") and mid["BLOCK_M"] >= 32
 
 
-def test_a_budget_of_6_tries_the_register_gemv_and_two_pipelined_ones_at_batch_1():
-    """The decode batch searches 6 points a shape: the measured best register-loading gemv
-    (4x512) stays the baseline, next to pipelined configs that must beat it."""
+def test_a_budget_of_8_tries_the_register_gemv_and_two_pipelined_ones_at_batch_1():
+    """bench/issue13_gpu.sh's search mode takes 8 points a shape (6 before the swapab block):
+    the measured best register-loading gemv (4x512) stays the baseline, next to pipelined
+    configs that must beat it."""
     from kernelsearch.proposers import REGISTRY, allowed_from_configs
 
     mod = _template()
     seen: list[dict] = []
-    REGISTRY["grid"](mod.SPACE, lambda pts: seen.extend(pts) or [1.0] * len(pts), 6,
+    REGISTRY["grid"](mod.SPACE, lambda pts: seen.extend(pts) or [1.0] * len(pts), 8,
                      random.Random(0), allowed=allowed_from_configs(mod.CONFIGS))
     gemv = [p for p in seen if p["variant"] == "gemv"]
     assert [p["PIPE"] for p in gemv] == [0, 1, 1], gemv
@@ -141,6 +142,7 @@ HARNESS_CASES = {
     "gemv_split_last_pipelined": _cfg("gemv", 8, 16, 32, 2, stages=3, reduce="last", pipe=1),
     "dot_direct": _cfg("splitk", 32, 16, 64, 1),
     "dot_split_last": _cfg("splitk", 32, 16, 32, 3, reduce="last"),
+    "swapab_split_last": _cfg("swapab", 32, 64, 32, 3, reduce="last"),
 }
 
 
@@ -202,6 +204,8 @@ for (m, k, i) in [(3, 200, 37), (20, 97, 21)]:
                                              cfg("gemv", 8, 4, 32, 4, "launch")]),
         ("splitk", cfg("splitk", 32, 16, 64, 1), [cfg("splitk", 32, 16, 32, 3, "last"),
                                                    cfg("splitk", 32, 16, 32, 3, "launch")]),
+        ("swapab", cfg("swapab", 32, 64, 64, 1), [cfg("swapab", 32, 64, 32, 3, "last"),
+                                                   cfg("swapab", 32, 64, 32, 3, "launch")]),
     ]
     for name, direct, splits in pairs:
         ref = run(direct)
@@ -222,7 +226,7 @@ def test_split_k_and_direct_paths_agree_and_counters_return_to_zero():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(doc["cases"]) == 8
+    assert len(doc["cases"]) == 12
     for c in doc["cases"]:
         # fp32 throughout: only the order of the sums differs
         assert c["finite"] and c["rel"] < 1e-5, c
@@ -309,11 +313,19 @@ consts = dict(direct, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512)
 out["pipelined_differs"] = (ptx(T._gemv_kernel, dict(consts, LOOP_STAGES=3), 4, 3)[0]
                             != ptx(P._gemv_kernel, dict(consts, LOOP_STAGES=1), 4, 3)[0])
 p = ptx(T._splitk_kernel, dict(split, BLOCK_M=32, BLOCK_N=16, BLOCK_K=256, UPCAST=False,
-                               DOT_PRECISION="tf32", RED_M=32), 4, 3)[0]
+                               DOT_PRECISION="tf32", RED_M=32, SWAP=False), 4, 3)[0]
 out["D1"] = {"cp16_evict": len(re.findall(r"cp\.async\.cg\.shared\.global\.L2::cache_hint[^;]*0x10", p)),
              "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*0x10", p)),
              "b16": len(re.findall(r"ld\.global[\w.:]*\.b16\b", p)),
              "mma": len(re.findall(r"mma\.sync", p))}
+# swapab (the gate and up tiles as the dots' left operands), as CONFIGS has it at batch 32
+p = ptx(T._splitk_kernel, dict(direct, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, UPCAST=False,
+                               DOT_PRECISION="tf32", RED_M=32, SWAP=True), 4, 6)[0]
+out["W"] = {"cp16_evict": len(re.findall(r"cp\.async\.cg\.shared\.global\.L2::cache_hint[^;]*0x10", p)),
+            "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*0x10", p)),
+            "b16": len(re.findall(r"ld\.global[\w.:]*\.b16\b", p)),
+            "wgmma": len(re.findall(r"wgmma\.mma_async", p)),
+            "spills": ptxas(p)[1]}
 print(json.dumps(out))
 """
 
@@ -358,6 +370,10 @@ def test_weight_loads_are_16_byte_vectors_in_the_sm90_ptx():
     assert d["cp16"] >= 32 and d["b16"] == 0 and d["mma"] > 0, d
     if CP_ASYNC_KEEPS_L2_POLICY:
         assert d["cp16_evict"] >= 16, d
+    w = counts["W"]
+    assert w["cp16"] >= 8 and w["b16"] == 0 and w["wgmma"] > 0 and w["spills"] == 0, w
+    if CP_ASYNC_KEEPS_L2_POLICY:
+        assert w["cp16_evict"] >= 8, w
 
 
 _DISPATCH_CHILD = r"""

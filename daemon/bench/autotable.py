@@ -63,11 +63,18 @@ def _searched(state_dir, fingerprint_id: str, kernels) -> set:
         return ledger.searched(fingerprint=fingerprint_id, source_hashes=hashes)
 
 
+def _entry(table, kernel: str, shape: dict, dtype: str):
+    """The table's entry for the shape when it routes; None when there is none, or it is stale
+    (its template edited since the search: dispatch runs stock for it, so the shape is missing)."""
+    if table is None:
+        return None
+    entry = table.lookup(kernel, shape, dtype)
+    return entry if entry is not None and table.usable(entry) else None
+
+
 def _tuned_count(table, shapes: dict, dtype: str) -> tuple[int, int]:
     n = sum(len(v) for v in shapes.values())
-    if table is None:
-        return 0, n
-    return sum(table.lookup(k, s, dtype) is not None for k, v in shapes.items() for s in v), n
+    return sum(_entry(table, k, s, dtype) is not None for k, v in shapes.items() for s in v), n
 
 
 def default_table_path(state_dir, device: str):
@@ -120,7 +127,7 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
     missing: dict[str, list[dict]] = {}
     for kernel, kernel_shapes in shapes.items():
         for shape in kernel_shapes:
-            if table is not None and table.lookup(kernel, shape, dtype) is not None:
+            if _entry(table, kernel, shape, dtype) is not None:
                 continue
             if (kernel, dtype, _canonical(shape)) in searched:
                 continue

@@ -274,7 +274,7 @@ def _launch(s: dict, where: str, kernels: dict, ref, scalars: set) -> Launch:
         if k == "num_warps" and v in NUM_WARPS and not isinstance(v, bool):
             opts.append((k, v))
         elif k == "num_stages":
-            opts.append((k, _int(v, f"{where} num_stages", 1, 8)))
+            opts.append((k, _int(v, f"{where} num_stages", 1, 16)))  # Hopper: 10+ stages
         elif k == "num_ctas" and v == 1 and not isinstance(v, bool):
             opts.append((k, 1))
         elif k == "maxnreg":

@@ -13,6 +13,8 @@ K values, so the weight is always read along K ([BLOCK_N, BLOCK_K] tiles, 16-byt
   that the accumulator stays at <= 64 registers a thread (GEMV_ACC_PER_WARP). Weight loads
   carry evict_first (each byte is read once; x, re-read by every program, stays in L2).
   SPLIT_K > 1 reduces as "splitk" does.
+- "swapab" (decode, batch 9-64): "splitk" with the weight tile as tl.dot's left operand (wgmma
+  on sm_90); see "Batch 32, swapped" below.
 - "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16;
   BLOCK_M caps the rows per program, so batch 32 streams the weight once with BLOCK_M >= 32)
   or, with FMA=1, a broadcast multiply (superseded by "gemv", kept for old dispatch tables).
@@ -54,16 +56,34 @@ programs x tile:
   D4 splitk 32x32x128, split 4, 4 stages: 16 KB a stage, 48 KB = 4 per SM, 512 programs.
   D5 splitk 32x64x128, split 4, 4 stages: 24 KB a stage, 72 KB = 3 per SM, 256 programs.
   D6 splitk 32x128x128, split 8, 8 warps: 40 KB a stage, 80 KB = 2 per SM, 256 programs.
+  Batch 32, swapped ("swapab"): the same split-K program with the dot turned round, the
+  [BLOCK_N, BLOCK_K] weight tile as tl.dot's left operand and x's 32 rows as its right one, so
+  the accumulator is [BLOCK_N, 32] (transposed once after the loop). On sm_90 that is wgmma
+  (64+ rows a warpgroup, operands straight from the cp.async shared-memory buffers; the
+  32-row dot above is mma.sync through registers), the layout cuBLAS picks itself at batch 32
+  (nvjet "128x32" and "64x32" tiles, 10-16 stages). Weight loads evict_first. Measured on the
+  H200 (bench/linear_gpu.py --batches 32 --sweep-swapab, L2 flushed, 2026-12-04; us and % of
+  copy; cuBLAS in the same run: QKV 4096->6144 17.3 (69%), 4096x4096 14.3 (56%), gate|up
+  4096->28672 62.6 (89%), down 14336->4096 34.7 (81%)):
+  W1 swapab 32x64x128, 6 stages: 24 KB a stage, 144 KB: one program an SM; 15.7 (76%),
+     12.2 (66%), 61.0 (91%), 33.3 (84%): the best or near it at every shape.
+  W2 swapab 32x64x64, 10 stages: 12 KB a stage, 120 KB; 15.9, 12.7, 62.3, 35.1.
+  W3 swapab 32x64x128, 4 stages: 96 KB = 2 an SM; 59.7 (93%) at 4096->28672, 249 at the
+     4096->128256 head (100%).
+  W4 swapab 32x64x128, split 2, 6 stages: 32.6 (86%) at K = 14336 (128 programs of 7168).
+  W5 swapab 32x64x64, split 2, 10 stages: 32.9 at K = 14336, 12.9 at 4096x4096.
+  W6 swapab 32x128x64, 6 stages: 128-row tiles (two wgmma rows of 64), 60.5 at 4096->28672.
+  (Left out: 256-row tiles, 29-45% at the 4096-wide shapes; 4 splits, never the best.)
   T1, T2 tiled 128x128x64 / 128x256x64: the prefill tiles (compute bound, tl.dot on wgmma).
 Order: the grid strategy walks the template's domain in SPACE order (kernelsearch.proposers:
 params sorted by name, so BLOCK_K outermost, listed descending, then BLOCK_M ascending: 8 is
 gemv, 32 splitk, 128 tiled) and under a budget B takes B points evenly spread over it. CONFIGS
 is listed in that same order (tests/test_linear_gemv.py holds it), so the gemv block comes
-first, then the batch-32 block, then prefill, and any B >= 2 samples both decode blocks in
-proportion (B = 2: G1, D2; B = 6: G1, G3, G5, D2, D4, D6; B = 7 and 8: three or four of each
-and T1). A point is measured at every shape of the sweep, so one walk serves batch 1 and 32.
-List order is also what a caller taking CONFIGS[0] or the middle entry sees (check-kernel,
-the bench without a dispatch table: G1 and D2).
+first, then the batch-32 block (D1..D6 and W1..W6 interleaved by BLOCK_K), then prefill, and
+any B >= 2 samples both decode blocks in proportion (B = 2: G1, W3; B = 6: G1, G4, D2, W3, D5,
+W5; B = 8: G1, G3, G5, D3, W3, W4, W2, W6). A point is measured at every shape of the sweep, so
+one walk serves batch 1 and 32. List order is also what a caller taking CONFIGS[0] or the
+middle entry sees (check-kernel, the bench without a dispatch table: G1 and W3).
 """
 from __future__ import annotations
 
@@ -72,7 +92,7 @@ import triton
 import triton.language as tl
 
 SPACE = {
-    "variant": ["gemv", "splitk", "tiled"],
+    "variant": ["gemv", "splitk", "swapab", "tiled"],
     "BLOCK_M": [8, 16, 32, 64, 128],   # splitk, gemv: the most rows of x one program takes
     "BLOCK_N": [4, 8, 16, 32, 64, 128, 256],
     "BLOCK_K": [1024, 512, 256, 128, 64, 32],  # descending: see "Order" in the docstring
@@ -80,7 +100,7 @@ SPACE = {
     "SPLIT_K": [1, 2, 4, 8, 16],       # tiled: 1
     "FMA": [0, 1],                     # splitk only: broadcast multiply instead of tl.dot
     "num_warps": [4, 8],
-    "num_stages": [2, 3, 4],
+    "num_stages": [2, 3, 4, 6, 10],
     "REDUCE": ["last", "launch"],      # splitk, gemv: the last-arriving program, or a second kernel
 }
 
@@ -102,6 +122,9 @@ def _valid(p: dict) -> bool:
                 and p["BLOCK_N"] * p["BLOCK_K"] <= GEMV_ACC_PER_WARP * p["num_warps"])
     if p["BLOCK_M"] < 16:
         return False
+    if p["variant"] == "swapab":
+        # the weight tile is the dot's left operand: wgmma wants >= 64 of its rows
+        return not p["FMA"] and p["BLOCK_N"] >= 64 and p["BLOCK_K"] >= 64 and p["BLOCK_M"] <= 64
     if p["FMA"]:
         return p["BLOCK_M"] == 16 and p["BLOCK_N"] * p["BLOCK_K"] <= FMA_MAX_ELEMS // 2
     return p["BLOCK_K"] >= 64
@@ -123,12 +146,19 @@ CONFIGS = [
     _cfg("gemv", 8, 16, 256, 2, 4, 3),      # G4
     _cfg("gemv", 8, 32, 256, 4, 8, 3),      # G5
     # batch 9-64: tl.dot with all 32 rows in one program (the weight is streamed once)
+    # (swapab: the weight tile is tl.dot's left operand, wgmma on sm_90)
     _cfg("splitk", 32, 32, 256, 1, 4, 3),   # D1
     _cfg("splitk", 32, 32, 256, 4, 4, 3),   # D2
     _cfg("splitk", 32, 64, 256, 4, 4, 3),   # D3
     _cfg("splitk", 32, 32, 128, 4, 4, 4),   # D4
+    _cfg("swapab", 32, 64, 128, 1, 4, 4),   # W3
+    _cfg("swapab", 32, 64, 128, 1, 4, 6),   # W1
+    _cfg("swapab", 32, 64, 128, 2, 4, 6),   # W4
     _cfg("splitk", 32, 64, 128, 4, 4, 4),   # D5
     _cfg("splitk", 32, 128, 128, 8, 8, 3),  # D6
+    _cfg("swapab", 32, 64, 64, 1, 4, 10),   # W2
+    _cfg("swapab", 32, 64, 64, 2, 4, 10),   # W5
+    _cfg("swapab", 32, 128, 64, 1, 4, 6),   # W6
     # prefill (M = batch x tokens): compute bound tiles
     _cfg("tiled", 128, 128, 64, 1, 8, 3, "launch"),   # T1
     _cfg("tiled", 128, 256, 64, 1, 8, 3, "launch"),   # T2
@@ -180,7 +210,8 @@ def _splitk_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, split_steps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    FMA: tl.constexpr, DIRECT: tl.constexpr, EVEN_K: tl.constexpr,
                    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   LAST_REDUCES: tl.constexpr, SPLITS: tl.constexpr, RED_M: tl.constexpr):
+                   LAST_REDUCES: tl.constexpr, SPLITS: tl.constexpr, RED_M: tl.constexpr,
+                   SWAP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -197,27 +228,43 @@ def _splitk_kernel(x_ptr, w_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, split_steps,
     w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
     if FMA:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif SWAP:
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
+        # swapab: each weight byte is read once (evict_first keeps x, re-read by every
+        # program, in L2); the other variants load it as they always have.
         if EVEN_K:
             a = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
+            if SWAP:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs)
         else:
             k_ok = (k + rk)[None, :] < K
             a = tl.load(x_ptrs, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+            if SWAP:
+                w = tl.load(w_ptrs, mask=k_ok, other=0.0, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs, mask=k_ok, other=0.0)
         if FMA:
             acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
             if UPCAST:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            if SWAP:
+                # the weight tile is the dot's tall left operand (wgmma on sm_90)
+                acc_t = tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * s_xk
         w_ptrs += BLOCK_K * s_wk
     if FMA:
         acc = tl.sum(acc3, axis=2)
+    elif SWAP:
+        acc = tl.trans(acc_t)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if DIRECT:
         c_ptrs = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
@@ -387,8 +434,10 @@ def launch(x, weight, out, variant="splitk", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128
                             EVEN_K=even_k, UPCAST=upcast, DOT_PRECISION=precision,
                             num_warps=num_warps, num_stages=num_stages)
         return out
-    if variant not in ("splitk", "gemv"):
+    if variant not in ("splitk", "gemv", "swapab"):
         raise ValueError(f"unknown linear variant {variant!r}")
+    if variant == "swapab" and FMA:
+        raise ValueError("linear variant 'swapab' is a tl.dot: FMA must be 0")
     if REDUCE not in ("launch", "last"):
         raise ValueError(f"unknown linear REDUCE {REDUCE!r}")
     rows = triton.next_power_of_2(M)
@@ -432,7 +481,7 @@ def launch(x, weight, out, variant="splitk", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128
                          BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, FMA=FMA, DIRECT=direct,
                          EVEN_K=even_k, UPCAST=upcast, DOT_PRECISION=precision,
                          LAST_REDUCES=last, SPLITS=splits, RED_M=min(rows, block_m),
-                         num_warps=num_warps, num_stages=num_stages)
+                         SWAP=variant == "swapab", num_warps=num_warps, num_stages=num_stages)
     if not direct and not last:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](ws, out, M, N, splits, out.stride(0),

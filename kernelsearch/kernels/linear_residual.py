@@ -17,6 +17,8 @@ the epilogue costs M x N reads of the residual and nothing else: at decode the w
   so each program has twice the weight bytes in flight for the same accumulator registers;
   the steps that do not fill a whole UNROLL group (the end of K) run one at a time, masked
   only when K is not a multiple of BLOCK_K.
+- "swapab" (decode, batch 9-64): "splitk" with the weight tile as tl.dot's left operand (wgmma
+  on sm_90); see "Batch 32, swapped" below.
 - "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16;
   BLOCK_M caps the rows per program, so batch 32 streams the weight once with BLOCK_M >= 32),
   loads pipelined over num_stages by the compiler (cp.async on sm_90).
@@ -88,6 +90,17 @@ SM = resident x tile (PIPE=0: the loads of one step, issued together) or residen
      flight; 512 programs; the reduce kernel adds the residual.
   D7 splitk 32x32x128, split 8, 4 stages: as D4 with 1024 programs (1.9 rounds of 528) and
      512-long splits at 4096.
+  Batch 32, swapped ("swapab": as splitk, with the [BLOCK_N, BLOCK_K] weight tile as tl.dot's
+  left operand and x's 32 rows as its right one, the [BLOCK_N, 32] accumulator transposed once
+  after the loop: wgmma on sm_90, operands from the cp.async buffers, where the 32-row dot
+  above is mma.sync through registers; weight loads evict_first). The tiles are linear.py's
+  measured swapab tiles (its docstring: W1 12.2 us at 4096x4096 against cuBLAS's 14.3, W4 32.6
+  at 14336 -> 4096 against 34.7, L2 flushed, H200):
+  W1 swapab 32x64x128, 6 stages: 24 KB a stage, 144 KB, one program an SM; 64 at 4096x4096.
+  W3 swapab 32x64x128, split 2, 4 stages: 96 KB = 2 an SM; 128 programs.
+  W4 swapab 32x64x128, split 2, 6 stages: 128 programs, 7168-long halves at K = 14336.
+  W2 swapab 32x64x64, 10 stages: 12 KB a stage, 120 KB.
+  W5 swapab 32x64x64, split 2, 10 stages: as W2 with 128 programs.
   (Left out after reading ptxas: gemv 8x1024 at 4 warps with UNROLL=2 (144 registers) or 16x512
   at 4 warps (167; 239 with UNROLL=2): too few programs resident. linear.py's G2 and G5 remain
   points of SPACE for a search that wants them.)
@@ -95,9 +108,9 @@ Order: the grid strategy walks the template's domain in SPACE order (kernelsearc
 params sorted by name, so BLOCK_K outermost, listed descending, then BLOCK_M ascending: 8 is
 gemv, 32 splitk, then BLOCK_N, PIPE, REDUCE, SPLIT_K, UNROLL, num_stages, num_warps) and under a
 budget B takes B points evenly spread over it. CONFIGS is listed in that order (the test holds
-it): the gemv block first (BLOCK_K >= 256), then the batch-32 block, as many of each (7), so
-any B >= 2 samples both and B >= 6 at least 3 of each; CONFIGS[0] (check-kernel's default) is
-R1.
+it): the gemv block first (BLOCK_K >= 256), then the batch-32 block (splitk and swapab: 7 + 5),
+so any B >= 2 samples both and B >= 6 at least 3 of each; CONFIGS[0] (check-kernel's default)
+is R1.
 """
 from __future__ import annotations
 
@@ -106,7 +119,7 @@ import triton
 import triton.language as tl
 
 SPACE = {
-    "variant": ["gemv", "splitk"],
+    "variant": ["gemv", "splitk", "swapab"],
     "BLOCK_M": [8, 16, 32, 64],        # the most rows of x one program takes
     "BLOCK_N": [4, 8, 16, 32, 64, 128],
     "BLOCK_K": [1024, 512, 256, 128, 64, 32],  # descending: see "Order" in the docstring
@@ -114,7 +127,7 @@ SPACE = {
     "UNROLL": [1, 2],                  # gemv: K steps loaded together per loop iteration
     "PIPE": [0, 1],                    # gemv: the main loop pipelined over num_stages (cp.async)
     "num_warps": [4, 8],
-    "num_stages": [2, 3, 4, 5, 6],
+    "num_stages": [2, 3, 4, 5, 6, 10],
     "REDUCE": ["last", "launch"],      # split-K: the last-arriving program, or a second kernel
 }
 
@@ -131,8 +144,10 @@ def _valid(p: dict) -> bool:
         return (p["BLOCK_M"] == GEMV_MAX_ROWS and p["BLOCK_K"] >= 64 and smem <= SMEM_LIMIT_BYTES
                 and p["BLOCK_N"] * p["BLOCK_K"] <= GEMV_ACC_PER_WARP * p["num_warps"])
     smem = (p["BLOCK_M"] * p["BLOCK_K"] + p["BLOCK_K"] * p["BLOCK_N"]) * 2 * p["num_stages"]
+    # swapab: the weight tile is the dot's left operand, and wgmma wants >= 64 of its rows
     return (p["BLOCK_M"] >= 16 and p["BLOCK_K"] >= 64 and p["UNROLL"] == 1 and not p["PIPE"]
-            and smem <= SMEM_LIMIT_BYTES)
+            and smem <= SMEM_LIMIT_BYTES
+            and (p["variant"] == "splitk" or (p["BLOCK_N"] >= 64 and p["BLOCK_M"] <= 64)))
 
 
 def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last", unroll=1, pipe=0):
@@ -153,13 +168,19 @@ CONFIGS = [
     _cfg("gemv", 8, 8, 256, 1, 4, 6, pipe=1),                   # P3
     _cfg("gemv", 8, 16, 256, 4, 4, 4, "launch", pipe=1),        # P6
     # batch 9-64: tl.dot with all 32 rows in one program (the weight is streamed once)
+    # (swapab: the weight tile is tl.dot's left operand, wgmma on sm_90)
     _cfg("splitk", 32, 32, 256, 1, 4, 3),                       # D6
     _cfg("splitk", 32, 32, 256, 4, 4, 3),                       # D1
     _cfg("splitk", 32, 32, 256, 8, 4, 3),                       # D2
     _cfg("splitk", 32, 64, 256, 4, 4, 4),                       # D3
     _cfg("splitk", 32, 32, 128, 4, 4, 4),                       # D4
     _cfg("splitk", 32, 32, 128, 8, 4, 4),                       # D7
+    _cfg("swapab", 32, 64, 128, 1, 4, 6),                       # W1
+    _cfg("swapab", 32, 64, 128, 2, 4, 4),                       # W3
+    _cfg("swapab", 32, 64, 128, 2, 4, 6),                       # W4
     _cfg("splitk", 32, 64, 128, 8, 4, 4, "launch"),             # D5
+    _cfg("swapab", 32, 64, 64, 1, 4, 10),                       # W2
+    _cfg("swapab", 32, 64, 64, 2, 4, 10),                       # W5
 ]
 CONFIGS = [p for p in CONFIGS if _valid(p)]
 
@@ -288,7 +309,7 @@ def _splitk_kernel(x_ptr, w_ptr, r_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, split_s
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DIRECT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr,
-                   SPLITS: tl.constexpr, RED_M: tl.constexpr):
+                   SPLITS: tl.constexpr, RED_M: tl.constexpr, SWAP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -301,21 +322,38 @@ def _splitk_kernel(x_ptr, w_ptr, r_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, split_s
     k_hi = min(k_lo + k_per_split, K)
     x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
     w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
+        # swapab: each weight byte is read once (evict_first keeps x, re-read by every
+        # program, in L2); splitk loads it as it always has.
         if EVEN_K:
             a = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
+            if SWAP:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs)
         else:
             k_ok = (k + rk)[None, :] < K
             a = tl.load(x_ptrs, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+            if SWAP:
+                w = tl.load(w_ptrs, mask=k_ok, other=0.0, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs, mask=k_ok, other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if SWAP:
+            # the weight tile is the dot's tall left operand (wgmma on sm_90)
+            acc_t = tl.dot(w, tl.trans(a), acc_t, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * s_xk
         w_ptrs += BLOCK_K * s_wk
+    if SWAP:
+        acc = tl.trans(acc_t)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if DIRECT:
         res = tl.load(r_ptr + rm.to(tl.int64)[:, None] * s_rm + rn[None, :] * s_rn, mask=mask,
@@ -397,12 +435,12 @@ def launch(x, weight, residual, out, variant="gemv", BLOCK_M=8, BLOCK_N=8, BLOCK
         return out
     if K == 0:
         raise ValueError("linear_residual template needs K > 0")
-    if variant not in ("gemv", "splitk"):
+    if variant not in ("gemv", "splitk", "swapab"):
         raise ValueError(f"unknown linear_residual variant {variant!r}")
     if REDUCE not in ("launch", "last"):
         raise ValueError(f"unknown linear_residual REDUCE {REDUCE!r}")
-    if UNROLL not in (1, 2) or (variant == "splitk" and UNROLL != 1):
-        raise ValueError(f"linear_residual UNROLL={UNROLL!r}: 1 or 2, and 1 for splitk")
+    if UNROLL not in (1, 2) or (variant != "gemv" and UNROLL != 1):
+        raise ValueError(f"linear_residual UNROLL={UNROLL!r}: 1 or 2, and 1 for splitk and swapab")
     even_k = K % BLOCK_K == 0
     rows = triton.next_power_of_2(M)
     if variant == "gemv":
@@ -435,7 +473,7 @@ def launch(x, weight, residual, out, variant="gemv", BLOCK_M=8, BLOCK_N=8, BLOCK
                              *strides, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                              DIRECT=direct, EVEN_K=even_k, UPCAST=upcast, DOT_PRECISION=precision,
                              LAST_REDUCES=last, SPLITS=splits, RED_M=min(rows, block_m),
-                             num_warps=num_warps, num_stages=num_stages)
+                             SWAP=variant == "swapab", num_warps=num_warps, num_stages=num_stages)
     if not direct and not last:
         block = 1024
         _reduce_kernel[(triton.cdiv(M * N, block),)](ws, residual, out, M, N, splits,

@@ -38,7 +38,11 @@ Variants:
   in one program (padded to at least 16, BLOCK_M >= 32) so that the weight is streamed once.
   The normed x goes to the dot in the weight's dtype (bf16 on the GPU, as the stock path's
   normed x is), its sum of squares is taken in fp32 before that rounding.
-Neither variant has a prefill tile: every config is correct at any M (a larger M re-streams the
+- "swapab" (batch 9-64): "splitk" with the gate and up tiles as the two dots' left operands
+  and the normed x tile (transposed) as their right one, the [BLOCK_N, 32] accumulators
+  transposed once after the loop: wgmma on sm_90 (64+ rows a dot: BLOCK_N >= 64), where
+  splitk's 32-row dots are mma.sync through registers.
+No variant has a prefill tile: every config is correct at any M (a larger M re-streams the
 weight once per row block), only slower.
 fp32 accumulation, cast on store; fp32 operands use exact (ieee) dots; the interpreter's bf16
 arithmetic being wrong, operands are upcast on the CPU.
@@ -95,13 +99,24 @@ against 22.3 for its register-loading first guess (same run), hence P1-P3:
   D3 splitk 32x32x256, 3 stages: 16 + 32 KB a stage, 97 KB, 145 registers: 2 an SM; 448.
   D4 splitk 32x16x128, 4 stages: 8 + 8 KB a stage, 48 KB, 125 registers: 4 an SM; 896.
   D5 splitk 32x32x128, 4 stages: 8 + 16 KB a stage, 72 KB, 140 registers: 3 an SM; 448.
+  Batch 32, swapped (wgmma; gate and up 64 rows each a step, 224 programs at Llama; the squares
+  summed into a [32, BLOCK_K] tile, reduced after the loop: see rmsnorm_linear.py). Measured
+  at 4096 -> 2 x 14336, batch 32 (bench/fused32_probe.py, L2 flushed, H200, 2026-12-04,
+  bench/results/h200-issue13/run9-probes/fused32.txt; rms_norm, F.linear (cuBLAS) on gate|up,
+  then silu(gate) * up: 74.3 us in the same run): BLOCK_K 64 62.0-69.4 us, 128 83.5-84.3, 32
+  92.5-97.0; 2 splits 68.9:
+  W1 swapab 32x64x64, 4 stages: 20 KB a stage (16 of gate|up, 4 of x), 80 KB = 2 an SM: 62.0
+     us (1.20x, 89% of copy); 61.3 inside the built-in step (BENCHMARKS.md 10d).
+  W2 swapab 32x64x64, 3 stages: 60 KB = 3 an SM: 65.3.
+  W3 swapab 32x64x64, 5 stages: 100 KB = 2 an SM: 64.9.
+  W4 swapab 32x64x64, 6 stages: 120 KB, one an SM: 66.2.
 Order: the grid strategy walks the domain in SPACE order (params sorted by name: BLOCK_K
 outermost, listed descending, then BLOCK_M ascending: 8 is gemv, 32 splitk, then BLOCK_N,
 PIPE, REDUCE, SPLIT_K, num_stages, num_warps) and under a budget B takes B points evenly spread
 over it. CONFIGS is listed in that order (the test holds it): the gemv block first, then the
-batch-32 block, as many of each (5), so any B >= 2 samples both and B >= 6 at least 3 of each
-(B = 2: G2, D1; B = 4: G2, P2, D1, D3; B = 6: G2, P1, P3, D1, D2, D4; B = 10: all).
-CONFIGS[0] (G2) and the middle entry (D1) are what a caller without a dispatch table takes.
+batch-32 block (D1..D5, then W1..W4), so any B >= 2 samples both and B >= 6 at least 3 of
+each (B = 2: G2, D3; B = 4: G2, P3, D3, W2; B = 6: G2, P2, G4, D3, D5, W1; B = 14: all).
+CONFIGS[0] (G2) and the middle entry (D3) are what a caller without a dispatch table takes.
 """
 from __future__ import annotations
 
@@ -110,14 +125,14 @@ import triton
 import triton.language as tl
 
 SPACE = {
-    "variant": ["gemv", "splitk"],
+    "variant": ["gemv", "splitk", "swapab"],
     "BLOCK_M": [8, 16, 32, 64],         # the most rows of x one program takes
     "BLOCK_N": [2, 4, 8, 16, 32, 64],   # gate rows per program (and as many up rows)
     "BLOCK_K": [1024, 512, 256, 128, 64, 32],  # descending: see "Order" in the docstring
     "SPLIT_K": [1, 2, 4, 8],
     "PIPE": [0, 1],                     # gemv: the K loop pipelined over num_stages (cp.async)
     "num_warps": [4, 8],
-    "num_stages": [2, 3, 4, 5, 6],
+    "num_stages": [2, 3, 4, 5, 6, 8],
     "REDUCE": ["last", "launch"],       # the last-arriving program, or a second kernel
 }
 
@@ -135,8 +150,10 @@ def _valid(p: dict) -> bool:
                 and 2 * p["BLOCK_N"] * p["BLOCK_K"] <= GEMV_ACC_PER_WARP * p["num_warps"])
     smem = (p["BLOCK_M"] * p["BLOCK_K"] + 2 * p["BLOCK_N"] * p["BLOCK_K"]) * 2 * p["num_stages"]
     # tl.dot: at least 16 rows and 16 columns a dot; the compiler pipelines it itself (no PIPE)
+    # swapab: the gate and up tiles are the dots' left operands; wgmma wants >= 64 rows
     return (p["BLOCK_M"] >= 16 and p["BLOCK_N"] >= 16 and p["BLOCK_K"] >= 64 and not p["PIPE"]
-            and smem <= SMEM_LIMIT_BYTES)
+            and smem <= SMEM_LIMIT_BYTES
+            and (p["variant"] == "splitk" or (p["BLOCK_N"] >= 64 and p["BLOCK_M"] <= 64)))
 
 
 def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last", pipe=0):
@@ -155,11 +172,16 @@ CONFIGS = [
     _cfg("gemv", 8, 4, 256, 1, 4, 6, pipe=1),    # P3
     _cfg("gemv", 8, 8, 256, 2, 4, 3),            # G4
     # batch 9-64: two tl.dots with all 32 rows in one program (the weight is streamed once)
+    # (swapab: the weight tile is tl.dot's left operand, wgmma on sm_90)
     _cfg("splitk", 32, 16, 256, 1, 4, 3),   # D1
     _cfg("splitk", 32, 16, 256, 2, 4, 3),   # D2
     _cfg("splitk", 32, 32, 256, 1, 4, 3),   # D3
     _cfg("splitk", 32, 16, 128, 1, 4, 4),   # D4
     _cfg("splitk", 32, 32, 128, 1, 4, 4),   # D5
+    _cfg("swapab", 32, 64, 64, 1, 4, 3),    # W2
+    _cfg("swapab", 32, 64, 64, 1, 4, 4),    # W1
+    _cfg("swapab", 32, 64, 64, 1, 4, 5),    # W3
+    _cfg("swapab", 32, 64, 64, 1, 4, 6),    # W4
 ]
 CONFIGS = [p for p in CONFIGS if _valid(p)]
 
@@ -310,7 +332,7 @@ def _splitk_kernel(x_ptr, nw_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, I, K
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DIRECT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr,
-                   SPLITS: tl.constexpr, RED_M: tl.constexpr):
+                   SPLITS: tl.constexpr, RED_M: tl.constexpr, SWAP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -326,9 +348,16 @@ def _splitk_kernel(x_ptr, nw_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, I, K
     wg_ptrs = w_ptr + g_rows[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
     wu_ptrs = w_ptr + (g_rows + I)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
     nw_ptrs = nw_ptr + (k_lo + rk) * s_nk
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SWAP:
+        acc_gt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_ut = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        ss2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    else:
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_ptrs)
@@ -342,19 +371,33 @@ def _splitk_kernel(x_ptr, nw_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, I, K
             wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         af = a.to(tl.float32)
-        ss += tl.sum(af * af, axis=1)
+        if SWAP:
+            # squares summed over K once, after the loop (as rmsnorm_linear.py's swapab)
+            ss2 += af * af
+        else:
+            ss += tl.sum(af * af, axis=1)
         xn = af * nw.to(tl.float32)[None, :]
         if UPCAST:
             wg = wg.to(tl.float32)
             wu = wu.to(tl.float32)
         else:
             xn = xn.to(w_ptr.dtype.element_ty)
-        acc_g = tl.dot(xn, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(xn, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+        if SWAP:
+            # the gate and up tiles are the dots' tall left operands (wgmma on sm_90)
+            xt = tl.trans(xn)
+            acc_gt = tl.dot(wg, xt, acc_gt, input_precision=DOT_PRECISION)
+            acc_ut = tl.dot(wu, xt, acc_ut, input_precision=DOT_PRECISION)
+        else:
+            acc_g = tl.dot(xn, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(xn, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * s_xk
         nw_ptrs += BLOCK_K * s_nk
         wg_ptrs += BLOCK_K * s_wk
         wu_ptrs += BLOCK_K * s_wk
+    if SWAP:
+        acc_g = tl.trans(acc_gt)
+        acc_u = tl.trans(acc_ut)
+        ss = tl.sum(ss2, axis=1)
     m_ok = rm < M
     mask = m_ok[:, None] & (rn[None, :] < I)
     if DIRECT:
@@ -450,12 +493,12 @@ def launch(x, norm_weight, weight, eps, out, variant="gemv", BLOCK_M=8, BLOCK_N=
         return out
     if K == 0:
         raise ValueError("rmsnorm_gate_up_swiglu template needs K > 0")
-    if variant not in ("gemv", "splitk"):
+    if variant not in ("gemv", "splitk", "swapab"):
         raise ValueError(f"unknown rmsnorm_gate_up_swiglu variant {variant!r}")
     if REDUCE not in ("launch", "last"):
         raise ValueError(f"unknown rmsnorm_gate_up_swiglu REDUCE {REDUCE!r}")
-    if PIPE not in (0, 1) or (variant == "splitk" and PIPE):
-        raise ValueError(f"rmsnorm_gate_up_swiglu PIPE={PIPE!r}: 0 or 1, and 0 for splitk")
+    if PIPE not in (0, 1) or (variant != "gemv" and PIPE):
+        raise ValueError(f"rmsnorm_gate_up_swiglu PIPE={PIPE!r}: 0 or 1, and 0 for splitk and swapab")
     eps = float(eps)
     even_k = K % BLOCK_K == 0
     rows = triton.next_power_of_2(M)
@@ -490,7 +533,7 @@ def launch(x, norm_weight, weight, eps, out, variant="gemv", BLOCK_M=8, BLOCK_N=
         _splitk_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                              DIRECT=direct, EVEN_K=even_k, UPCAST=upcast, DOT_PRECISION=precision,
                              LAST_REDUCES=last, SPLITS=splits, RED_M=min(rows, block_m),
-                             num_warps=num_warps, num_stages=num_stages)
+                             SWAP=variant == "swapab", num_warps=num_warps, num_stages=num_stages)
     if not direct and not last:
         block = 1024
         _reduce_kernel[(triton.cdiv(M * I, block),)](ws, ss_ws, out, M, I, K, eps, splits, grid[0],

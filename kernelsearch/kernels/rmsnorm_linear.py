@@ -22,6 +22,8 @@ dominates (N x K against M x K + K), and the fused norm costs a few FMAs a loade
   still taken from the x tile each step reads (now from shared memory): no extra load. PIPE=0
   gives the tl.range num_stages=1: the PTX of the plain range loop before PIPE existed (every
   gemv config compared for sm_90, less line numbers).
+- "swapab" (decode, batch 9-64): "splitk" with the weight tile as tl.dot's left operand (wgmma
+  on sm_90); see "Batch 32, swapped" below.
 - "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16; all
   32 rows of batch 32 in one program, so that the weight is streamed once). tl.dot is fed
   x * norm_weight cast back to the input dtype (what the stock path rounds too: the normalised
@@ -99,13 +101,32 @@ G4 19.4; G1 262 us at lm_head 4096 -> 128256 (~93% of copy).
      programs.
   D6 splitk 32x128x128, split 8, 8 warps: 40 KB a stage, 81 KB, 102 registers: 2 per SM, 384
      programs.
+  Batch 32, swapped ("swapab": as splitk, the [BLOCK_N, BLOCK_K] weight tile as tl.dot's left
+  operand, the normed x tile (x * norm_weight in the weight's dtype, as splitk makes it) as the
+  right one, the [BLOCK_N, 32] accumulator transposed once after the loop: wgmma on sm_90
+  where the 32-row dot above is mma.sync; weight loads evict_first; the squares summed into a
+  [32, BLOCK_K] tile and reduced once after the loop, not across warps (a CTA barrier) every
+  step: 37.8 -> 35.7 us at the one tile measured both ways, 32x64x128 at 4096 -> 6144,
+  bench/results/h200-issue13/run9-probes/fused32-earlier.txt). Measured at 4096 -> 6144, batch
+  32 (bench/fused32_probe.py, L2 flushed, H200, 2026-12-04, run9-probes/fused32.txt; rms_norm
+  then F.linear (cuBLAS) 23.9 us in the same run; linear.py's swapab without a norm 15.7): the
+  tile is 64 x 64; BLOCK_K = 128 takes 35.7-43.7 with one split (25.1 with two), 32-wide tiles
+  26.5-36.7. 96 column blocks fill 96 of 132 SMs, hence the splits. Inside the built-in step (run 9 of BENCHMARKS
+  §10d) W1 took 19.3 us, where cuBLAS's QKV took 16.1 and the rmsnorm before it 2.0:
+  W1 swapab 32x64x64, split 2, 6 stages: 12 KB a stage, 72 KB = 3 an SM; 192 programs: 19.7 us
+     (1.21x the stock path, 60% of copy).
+  W2 swapab 32x64x64, split 2, 8 stages: 96 KB = 2 an SM: 20.1.
+  W3 swapab 32x64x64, split 4, 6 stages: 384 programs of 1024 (3 an SM: one round): 20.6.
+  W4 swapab 32x64x64, 10 stages, one split: 23.5; for the 4096 -> 128256 head (2004 programs,
+     where splits would write 16 MB of fp32 partials).
+  W5 swapab 32x64x64, 6 stages, one split: the head with 3 programs an SM.
 Order: the grid strategy walks the domain in SPACE order (params sorted by name: BLOCK_K
 outermost, listed descending, then BLOCK_M ascending: 8 is gemv, 32 splitk, then BLOCK_N,
 PIPE, REDUCE, SPLIT_K, num_stages, num_warps); CONFIGS is listed in that order (the test holds
-it): G1, G2, P1, G4, P2, G5, then D1..D6, six of each, so that a budget B takes B points evenly
-spread and B >= 2 samples both blocks (B = 2: G1, D1; B = 6, the bench's default: G1, P1, P2,
-D1, D3, D5). CONFIGS[0] (G1) and the middle entry (D1) are what a caller without a dispatch
-table takes.
+it): G1, G2, P1, G4, P2, G5, then the batch-32 block, D1..D6 then W5, W4, W1, W2, W3, so that
+a budget B takes B points evenly spread and B >= 2 samples both blocks (B = 2: G1, D3; B = 6:
+G1, P1, G5, D3, D6, W1). CONFIGS[0] (G1) and the middle entry (D3) are what a caller without a
+dispatch table takes.
 """
 from __future__ import annotations
 
@@ -114,14 +135,14 @@ import triton
 import triton.language as tl
 
 SPACE = {
-    "variant": ["gemv", "splitk"],
+    "variant": ["gemv", "splitk", "swapab"],
     "BLOCK_M": [8, 16, 32, 64],        # the most rows of x one program takes
     "BLOCK_N": [4, 8, 16, 32, 64, 128, 256],
     "BLOCK_K": [1024, 512, 256, 128, 64],  # descending: see "Order" in the docstring
     "SPLIT_K": [1, 2, 4, 8, 16],
     "PIPE": [0, 1],                    # gemv: the K loop pipelined over num_stages (cp.async)
     "num_warps": [4, 8],
-    "num_stages": [2, 3, 4, 5, 6],
+    "num_stages": [2, 3, 4, 5, 6, 8, 10],
     "REDUCE": ["last", "launch"],      # the last-arriving program, or a second kernel
 }
 
@@ -141,7 +162,9 @@ def _valid(p: dict) -> bool:
     if p["variant"] == "gemv":
         return (p["BLOCK_M"] == GEMV_MAX_ROWS and p["BLOCK_K"] >= 64
                 and p["BLOCK_N"] * p["BLOCK_K"] <= GEMV_ACC_PER_WARP * p["num_warps"])
-    return p["BLOCK_M"] >= 16 and p["BLOCK_K"] >= 64 and not p["PIPE"]
+    # swapab: the weight tile is the dot's left operand, and wgmma wants >= 64 of its rows
+    return (p["BLOCK_M"] >= 16 and p["BLOCK_K"] >= 64 and not p["PIPE"]
+            and (p["variant"] == "splitk" or (p["BLOCK_N"] >= 64 and p["BLOCK_M"] <= 64)))
 
 
 def _cfg(variant, bm, bn, bk, sk, warps, stages, reduce="last", pipe=0):
@@ -161,12 +184,18 @@ CONFIGS = [
     _cfg("gemv", 8, 16, 256, 1, 4, 5, pipe=1),  # P2 (after G4: PIPE sorts before SPLIT_K)
     _cfg("gemv", 8, 32, 256, 4, 8, 3),      # G5
     # batch 9-64: tl.dot with all 32 rows in one program (the weight is streamed once)
+    # (swapab: the weight tile is tl.dot's left operand, wgmma on sm_90)
     _cfg("splitk", 32, 32, 256, 1, 4, 3),   # D1
     _cfg("splitk", 32, 32, 256, 4, 4, 3),   # D2
     _cfg("splitk", 32, 64, 256, 4, 4, 3),   # D3
     _cfg("splitk", 32, 32, 128, 4, 4, 4),   # D4
     _cfg("splitk", 32, 64, 128, 4, 4, 4),   # D5
     _cfg("splitk", 32, 128, 128, 8, 8, 3),  # D6
+    _cfg("swapab", 32, 64, 64, 1, 4, 6),    # W5
+    _cfg("swapab", 32, 64, 64, 1, 4, 10),   # W4
+    _cfg("swapab", 32, 64, 64, 2, 4, 6),    # W1
+    _cfg("swapab", 32, 64, 64, 2, 4, 8),    # W2
+    _cfg("swapab", 32, 64, 64, 4, 4, 6),    # W3
 ]
 CONFIGS = [p for p in CONFIGS if _valid(p)]
 
@@ -295,7 +324,7 @@ def _splitk_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DIRECT: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, LAST_REDUCES: tl.constexpr,
-                   SPLITS: tl.constexpr, RED_M: tl.constexpr):
+                   SPLITS: tl.constexpr, RED_M: tl.constexpr, SWAP: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -310,20 +339,39 @@ def _splitk_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K,
     x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
     w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
     g_ptrs = g_ptr + (k_lo + rk) * s_gk
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SWAP:
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    else:
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
+        # swapab: each weight byte is read once (evict_first keeps x, re-read by every
+        # program, in L2); splitk loads it as it always has.
         if EVEN_K:
             a = tl.load(x_ptrs)
             g = tl.load(g_ptrs)
-            w = tl.load(w_ptrs)
+            if SWAP:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs)
         else:
             k_ok = (k + rk) < K
             a = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            if SWAP:
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
         af = a.to(tl.float32)
-        sq += tl.sum(af * af, axis=1)
+        if SWAP:
+            # squares summed over K once, after the loop: no cross-warp reduction (a CTA
+            # barrier) in the loop that streams the weight
+            sq2 += af * af
+        else:
+            sq += tl.sum(af * af, axis=1)
         # The dot operand is x * norm_weight in the input dtype (unscaled by 1/rms: no fp16
         # overflow); 1/rms scales the fp32 sums after the loop.
         an = af * g.to(tl.float32)[None, :]
@@ -331,10 +379,17 @@ def _splitk_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K,
             w = w.to(tl.float32)
         else:
             an = an.to(w.dtype)
-        acc = tl.dot(an, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if SWAP:
+            # the weight tile is the dot's tall left operand (wgmma on sm_90)
+            acc_t = tl.dot(w, tl.trans(an), acc_t, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(an, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * s_xk
         w_ptrs += BLOCK_K * s_wk
         g_ptrs += BLOCK_K * s_gk
+    if SWAP:
+        acc = tl.trans(acc_t)
+        sq = tl.sum(sq2, axis=1)
     m_ok = rm < M
     mask = m_ok[:, None] & (rn[None, :] < N)
     if DIRECT:
@@ -423,7 +478,7 @@ def launch(x, norm_weight, weight, eps, out, variant="gemv", BLOCK_M=8, BLOCK_N=
         return out
     if K == 0:
         raise ValueError("rmsnorm_linear template needs K > 0")
-    if variant not in ("splitk", "gemv"):
+    if variant not in ("splitk", "gemv", "swapab"):
         raise ValueError(f"unknown rmsnorm_linear variant {variant!r}")
     if REDUCE not in ("launch", "last"):
         raise ValueError(f"unknown rmsnorm_linear REDUCE {REDUCE!r}")
@@ -462,7 +517,7 @@ def launch(x, norm_weight, weight, eps, out, variant="gemv", BLOCK_M=8, BLOCK_N=
         _splitk_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, DIRECT=direct,
                              EVEN_K=even_k, UPCAST=upcast, DOT_PRECISION=precision,
                              LAST_REDUCES=last, SPLITS=splits, RED_M=min(rows, block_m),
-                             num_warps=num_warps, num_stages=num_stages)
+                             SWAP=variant == "swapab", num_warps=num_warps, num_stages=num_stages)
     if not direct and not last:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(N, block), M)](ws, ss, out, M, N, K, splits, grid[0] * M, eps,
