@@ -50,6 +50,16 @@ def decode_shapes(batches=(1, 32)) -> list[dict]:
     return [{"M": m, "K": k, "N": n} for m in batches for k, n in LLAMA3_8B_KN]
 
 
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        batches = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: positive integers, comma-separated (e.g. 1,32)")
+    return batches
+
+
 def swapab_sweep() -> list[dict]:
     """Points of the linear template's SPACE for its "swapab" variant at batch 32 (not CONFIGS:
     this is where CONFIGS' swapab entries come from): weight tiles of 64-256 rows x 64-128,
@@ -167,7 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (interpreter)")
     ap.add_argument("--configs", type=int, default=12, help="first N CONFIGS (default 12)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, fewer calls (smoke test)")
-    ap.add_argument("--batches", default="1,32", help="M of the decode shapes (default 1,32)")
+    ap.add_argument("--batches", default=(1, 32), type=_batches,
+                    help="M of the decode shapes, comma-separated (default 1,32)")
     ap.add_argument("--sweep-swapab", action="store_true",
                     help="also time swapab_sweep()'s points (batch-32 tiles outside CONFIGS)")
     ap.add_argument("--budget-s", type=float, default=0,
@@ -191,8 +202,7 @@ def main(argv=None) -> int:
     if not cpu:
         torch.cuda.set_device(torch.device(device).index or 0)
     dtype = torch.bfloat16
-    shapes = QUICK_SHAPES if args.quick else decode_shapes(
-        tuple(int(b) for b in args.batches.split(",")))
+    shapes = QUICK_SHAPES if args.quick else decode_shapes(args.batches)
     calls = 2 if cpu else (4 if args.quick else CALLS_PER_GRAPH)
     replays = 1 if cpu else (5 if args.quick else REPLAYS)
     configs = linear.CONFIGS[:args.configs]
