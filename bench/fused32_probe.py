@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (str(ROOT), str(ROOT / "bench")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 CALLS, REPLAYS, COPY_GBS, TOLERANCE = 20, 15, 4250.0, 1e-2
 # (BLOCK_N, BLOCK_K, num_stages, SPLIT_K, num_warps) of the swapab variant, per shape
@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     from kernelsearch.kernels import rmsnorm_gate_up_swiglu, rmsnorm_linear
+    from linear_gpu import graph_ms   # bench/: the same CUDA-graph timing as linear_gpu.py
 
     if not torch.cuda.is_available():
         print("needs a CUDA device (the templates' CPU paths are tested under TRITON_INTERPRET=1 "
@@ -53,28 +54,8 @@ def main(argv=None) -> int:
     dev, eps = "cuda", 1e-5
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
 
-    def timeit(fn) -> float:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for i in range(CALLS):
-                fn(i)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(CALLS):
-                fn(i)
-        times = []
-        for _ in range(REPLAYS):
-            flush.fill_(1)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / CALLS * 1e3)
-        return statistics.median(times)
+    def timeit(fn) -> float:  # us per call
+        return graph_ms(lambda: [fn(i) for i in range(CALLS)], CALLS, REPLAYS, flush) * 1e3
 
     rows, failed = [], 0
     gen = torch.Generator(device=dev).manual_seed(0)

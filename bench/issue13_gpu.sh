@@ -37,6 +37,23 @@ hf_rows() {
   echo "bench rc=$?" >> "$OUT/hf.log"
   cp "$OUT/hf/results.json" "$OUT/hf-results.json" 2>/dev/null; rm -rf "$OUT/hf"
 }
+gap_rows() {  # gap_rows TABLE [TIMEOUT_S]: bench/gaps_gpu.py on TABLE (gaps.md, gaps.json)
+  timeout ${2:-150} python3 bench/gaps_gpu.py --table "$1" --shapes 1x2048,32x2048 --out "$OUT"
+  echo "gaps rc=$?"; rm -f "$OUT"/events-*.json
+}
+model_rows() {  # model_rows TABLE: built-in rows, hf-llama rows, gap breakdown, all on TABLE
+  timeout 200 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 1x2048,32x2048 --variants graphed,tuned-unfused,tuned --budget-s 180 \
+      --energy-window-s 2 --table "$1" --out "$OUT/builtin"
+  echo "bench rc=$?"
+  cp "$OUT/builtin/results.json" "$OUT/builtin-results.json"; rm -rf "$OUT/builtin"
+  timeout ${HF_S:-240} python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
+      --shapes 1x2048,32x2048 --variants hf-eager,hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 220 \
+      --steps 32 --warmup 4 --check 4 --energy-window-s 2 --table "$1" --out "$OUT/hf"
+  echo "hf bench rc=$?"
+  cp "$OUT/hf/results.json" "$OUT/hf-results.json"; rm -rf "$OUT/hf"
+  gap_rows "$1"
+}
 seed_table() {  # seed_table TABLE [KERNEL]: $ST's table for this device = TABLE, less KERNEL's entries
   python3 - "$1" "$ST" "${2:-}" <<'PY'
 import json, sys
@@ -90,8 +107,7 @@ C)
       --energy-window-s 2 --table "$OUT/dispatch.json" --out "$OUT/builtin"
   echo "bench rc=$?"
   cp "$OUT/builtin/results.json" "$OUT/builtin-results.json"; rm -rf "$OUT/builtin"
-  timeout 200 python3 bench/gaps_gpu.py --table "$OUT/dispatch.json" --shapes 1x2048,32x2048 --out "$OUT"
-  echo "gaps rc=$?"; rm -f "$OUT"/events-*.json
+  gap_rows "$OUT/dispatch.json" 200
   timeout 120 python3 bench/attn_probe.py --json "$OUT/attn-probe.json"
   echo "probe rc=$?"
   cfg=$(python3 -c "import json,sys; e=[e for e in json.load(open('$OUT/dispatch.json'))['entries'] if e['kernel']=='decode_attention' and e['shape']['B']==32 and e['shape']['S']==2112]; print(json.dumps(e[0]['params']) if e else '{}')")
@@ -110,18 +126,7 @@ D)
       --kernels rope_kv_attention --budget-s ${ATTN_BUDGET:-180} --evals ${ATTN_EVALS:-40}
   echo "rope_kv_attention search rc=$?"
   cp $ST/dispatch/*.json "$OUT/dispatch.json"
-  timeout 200 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 1x2048,32x2048 --variants graphed,tuned-unfused,tuned --budget-s 180 \
-      --energy-window-s 2 --table "$OUT/dispatch.json" --out "$OUT/builtin"
-  echo "bench rc=$?"
-  cp "$OUT/builtin/results.json" "$OUT/builtin-results.json"; rm -rf "$OUT/builtin"
-  timeout ${HF_S:-240} python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
-      --shapes 1x2048,32x2048 --variants hf-eager,hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 220 \
-      --steps 32 --warmup 4 --check 4 --energy-window-s 2 --table "$OUT/dispatch.json" --out "$OUT/hf"
-  echo "hf bench rc=$?"
-  cp "$OUT/hf/results.json" "$OUT/hf-results.json"; rm -rf "$OUT/hf"
-  timeout 150 python3 bench/gaps_gpu.py --table "$OUT/dispatch.json" --shapes 1x2048,32x2048 --out "$OUT"
-  echo "gaps rc=$?"; rm -f "$OUT"/events-*.json ;;
+  model_rows "$OUT/dispatch.json" ;;
 E)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
@@ -134,23 +139,11 @@ E)
 F)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
-  timeout 200 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 1x2048,32x2048 --variants graphed,tuned-unfused,tuned --budget-s 180 \
-      --energy-window-s 2 --table "$table" --out "$OUT/builtin"
-  echo "bench rc=$?"
-  cp "$OUT/builtin/results.json" "$OUT/builtin-results.json"; rm -rf "$OUT/builtin"
-  timeout ${HF_S:-240} python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
-      --shapes 1x2048,32x2048 --variants hf-eager,hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 220 \
-      --steps 32 --warmup 4 --check 4 --energy-window-s 2 --table "$table" --out "$OUT/hf"
-  echo "hf bench rc=$?"
-  cp "$OUT/hf/results.json" "$OUT/hf-results.json"; rm -rf "$OUT/hf"
-  timeout 150 python3 bench/gaps_gpu.py --table "$table" --shapes 1x2048,32x2048 --out "$OUT"
-  echo "gaps rc=$?"; rm -f "$OUT"/events-*.json ;;
+  model_rows "$table" ;;
 G)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
-  timeout 200 python3 bench/gaps_gpu.py --table "$table" --shapes 1x2048,32x2048 --out "$OUT"
-  echo "gaps rc=$?"; rm -f "$OUT"/events-*.json ;;
+  gap_rows "$table" 200 ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1

@@ -127,8 +127,6 @@ class Case:
 
 def time_call(fn, case: Case, device: str, calls: int, replays: int, flush) -> float:
     """Median ms per call of `fn(x, weight, out)` over the case's buffer copies."""
-    import torch
-
     copies = len(case.weights)
 
     def run_all():
@@ -143,6 +141,14 @@ def time_call(fn, case: Case, device: str, calls: int, replays: int, flush) -> f
             run_all()
             times.append((time.perf_counter() - t0) * 1e3 / calls)
         return statistics.median(times)
+    return graph_ms(run_all, calls, replays, flush)
+
+
+def graph_ms(run_all, calls: int, replays: int, flush) -> float:
+    """Median ms per call of `run_all()` (`calls` calls) captured once in a CUDA graph (warmed up
+    on the capture stream first), `flush` overwritten before every replay, outside the events."""
+    import torch
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
