@@ -2,10 +2,10 @@
 
     python3 bench/gaps_gpu.py --table DISPATCH.json --shapes 1x2048,32x2048 --out DIR
 
-For eager in a CUDA graph (stock), the previous tuned step (tuned-unfused) and the fused tuned
-step (tuned), each at each (batch, context), without the LM head (the step the no-head floor
-counts): daemon.bench.gaps.profile_and_breakdown -- the step captured in a CUDA graph, its time by
-CUDA events (median of back-to-back replays), its kernels by torch.profiler over graph replays --
+For eager in a CUDA graph (stock), the previous tuned step (tuned-unfused), the fused tuned step
+launched plainly (tuned-nopdl) and with programmatic dependent launch (tuned), each at each
+(batch, context), without the LM head (the step the no-head floor counts):
+daemon.bench.gaps.profile_and_breakdown -- the step captured in a CUDA graph, its time by CUDA events (median of back-to-back replays), its kernels by torch.profiler over graph replays --
 against the bandwidth floor of the same step at the copy bandwidth measured here. Writes
 DIR/gaps.md (one breakdown per row) and DIR/gaps.json. Read-only: changes no GPU setting.
 """
@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     from daemon.bench.ops import DTYPE_NAMES, StockOps, TunedOps, cache_len, kernels_per_layer, rel_l2
     from daemon.bench.run import decode_floor, measure_copy_bandwidth_gbs
     from kernelsearch.dispatch import DispatchTable
+    from kernelsearch.harness.run_plan import pdl, pdl_enabled
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -97,19 +98,24 @@ def main(argv=None) -> int:
         stock = StockOps()
         ref = model.decode_step(tokens, positions, stock, head=False).float()
         for name, ops in (("graphed", stock), ("tuned-unfused", TunedOps(table, fused=False)),
-                          ("tuned", TunedOps(table))):
+                          ("tuned-nopdl", TunedOps(table)), ("tuned", TunedOps(table))):
             got = model.decode_step(tokens, positions, ops, head=False).float()   # routes decided here
             err = rel_l2(got, ref)
             fn = lambda ops=ops: model.decode_step(tokens, positions, ops, head=False)
             try:
-                result, text_md = gaps.profile_and_breakdown(fn, args.steps, args.layers,
-                                                             floor_ms=floor["floor_ms"], copy_gbs=copy_gbs)
+                with pdl(name != "tuned-nopdl"):
+                    result, text_md = gaps.profile_and_breakdown(fn, args.steps, args.layers,
+                                                                 floor_ms=floor["floor_ms"], copy_gbs=copy_gbs)
             except Exception as exc:
                 md.append(f"## {name} b{batch} ctx{ctx}: failed: {type(exc).__name__}: {exc}\n")
                 continue
             kpl = kernels_per_layer(ops, cfg, batch, model.kv.shape[4], DTYPE_NAMES[model.dtype])
             md.append(f"## {name}, batch {batch}, context {ctx} (no-head rel_l2 vs eager {err:.2e}; "
                       f"kernels per layer by the op count: {kpl.get('total')})\n")
+            if name in ("tuned", "tuned-unfused") and pdl_enabled():
+                md.append("(launched with programmatic dependent launch where the device has it: a "
+                          "kernel may be placed before the previous one has finished, and its time "
+                          "then holds some of that wait; tuned-nopdl's are plain launches)\n")
             md.append(text_md + "\n")
             raw = result.pop("raw")
             if name != "graphed":

@@ -21,6 +21,11 @@
 #   bench/issue13_gpu.sh F TABLE         on TABLE: the built-in rows, the hf-llama rows and the gap
 #                                        breakdown (E and F: one device call each, < 10 minutes)
 #   bench/issue13_gpu.sh G TABLE         on TABLE: the gap breakdown alone (per layer position too)
+#   bench/issue13_gpu.sh H TABLE         TABLE without the four projection templates' entries, those
+#                                        searched again (kernels launched with PDL), the GPU tests of
+#                                        PDL and the verifier guards, the built-in rows (with tuned-nopdl)
+#   bench/issue13_gpu.sh I TABLE         on TABLE: the hf-llama rows, the built-in rows again and the
+#                                        gap breakdown
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -43,18 +48,19 @@ gap_rows() {  # gap_rows TABLE [TIMEOUT_S]: bench/gaps_gpu.py on TABLE (gaps.md,
 }
 model_rows() {  # model_rows TABLE: built-in rows, hf-llama rows, gap breakdown, all on TABLE
   timeout 200 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 1x2048,32x2048 --variants graphed,tuned-unfused,tuned --budget-s 180 \
+      --shapes 1x2048,32x2048 --variants graphed,tuned-unfused,tuned-nopdl,tuned --budget-s 180 \
       --energy-window-s 2 --table "$1" --out "$OUT/builtin"
   echo "bench rc=$?"
-  cp "$OUT/builtin/results.json" "$OUT/builtin-results.json"; rm -rf "$OUT/builtin"
+  cp "$OUT/builtin/results.json" "$OUT/builtin-results${2:-}.json"; rm -rf "$OUT/builtin"
+  [ -n "${2:-}" ] && return
   timeout ${HF_S:-240} python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
       --shapes 1x2048,32x2048 --variants hf-eager,hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 220 \
       --steps 32 --warmup 4 --check 4 --energy-window-s 2 --table "$1" --out "$OUT/hf"
   echo "hf bench rc=$?"
   cp "$OUT/hf/results.json" "$OUT/hf-results.json"; rm -rf "$OUT/hf"
-  gap_rows "$1"
+  gap_rows "$1" 220
 }
-seed_table() {  # seed_table TABLE [KERNEL]: $ST's table for this device = TABLE, less KERNEL's entries
+seed_table() {  # seed_table TABLE [KERNEL,...]: $ST's table for this device = TABLE, less those kernels' entries
   python3 - "$1" "$ST" "${2:-}" <<'PY'
 import json, sys
 from pathlib import Path
@@ -65,7 +71,7 @@ fp = fingerprint_id(collect("cuda"))
 if doc.get("fingerprint_id") != fp:
     print(f"seed table is for {doc.get('fingerprint_id')}, this device is {fp}: not seeded")
     sys.exit(0)
-doc["entries"] = [e for e in doc["entries"] if e["kernel"] != drop]
+doc["entries"] = [e for e in doc["entries"] if e["kernel"] not in drop.split(",")]
 (state / "dispatch").mkdir(parents=True, exist_ok=True)
 (state / "dispatch" / f"{fp}.json").write_text(json.dumps(doc))
 print(f"seeded {len(doc['entries'])} entries" + (f" ({drop} left out)" if drop else "") + f" for {fp}")
@@ -144,6 +150,22 @@ G)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
   gap_rows "$table" 200 ;;
+H)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  seed_table "$table" linear,linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu
+  timeout ${SEARCH_S:-300} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels linear,linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s ${BUDGET:-270} \
+      --evals ${EVALS:-20} --json "$OUT/search.json"
+  echo "projection search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pdl.py tests/test_verifier_guards.py
+  echo "gpu tests rc=$?"
+  model_rows "$OUT/dispatch.json" -1 ;;
+I)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  model_rows "$table" ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1

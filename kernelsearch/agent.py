@@ -110,7 +110,10 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "no call counter); a buffer kept across calls must be torch.zeros and left all-zero.",
              "- kernel bodies: triton.language (tl.* and tl.math.*), arithmetic, comparisons, "
              "if/for/while, their parameters and locals, the file's other kernels, constexpr "
-             "literals, range/min/max/float/int; no other module, no dunder names, no lambda.",
+             "literals, range/min/max/float/int; no other module, no dunder names, no lambda, "
+             "no tl.inline_asm_elementwise, no name starting with _hwtune (the harness's). On "
+             "sm_90+ the harness launches every kernel with programmatic dependent launch and "
+             "makes a wait for the previous kernel its first instruction: write none yourself.",
              "- every output element written on every call (outputs are poisoned with NaN, huge "
              "or random values), inputs untouched, nothing outside the buffers (canaries), "
              "deterministic, capturable in a CUDA graph; it is checked on one extra shape drawn "

@@ -32,10 +32,15 @@ from daemon.bench.model import PRESETS, Model
 from daemon.bench.ops import (DTYPE_NAMES, StockOps, TunedOps, cache_len, decode_shapes,
                               describe_fusions, describe_kernels, kernels_per_layer, rel_l2, time_in_graph_ms,
                               warm_up_for_capture)
+from kernelsearch.harness.run_plan import pdl
 
 VARIANTS = ("eager", "graphed", "compile", "tuned", "tuned-unfused")
-# The variants that run TunedOps on the dispatch table: variant -> whether fused kernels are asked.
-TUNED_VARIANTS = {"tuned": True, "tuned-unfused": False}
+# Asked for by name only (--variants), not run by default.
+EXTRA_VARIANTS = ("tuned-nopdl",)
+# The variants that run TunedOps on the dispatch table: variant -> (whether fused kernels are
+# asked, whether the table's kernels launch with programmatic dependent launch where the device
+# has it). tuned-nopdl is tuned launched plainly: what PDL gives, in the same run.
+TUNED_VARIANTS = {"tuned": (True, True), "tuned-unfused": (False, True), "tuned-nopdl": (True, False)}
 FAIR_NOTE = ("All variants run the same model with the same fused weights (one QKV matrix, "
              "one gate/up matrix) and the same static KV cache; eager, graphed and compile apply "
              "RoPE as one batched matmul before the KV-cache write; the tuned variant is the "
@@ -253,7 +258,8 @@ class Bench:
             search_budget_s = SEARCH_SHARE * o.budget_s
             table, table_note = ensure_table(
                 state_dir=o.state_dir, device=o.device, dtype=DTYPE_NAMES[dtype],
-                shapes=decode_shapes(cfg, o.shapes, fused="tuned" in o.variants),
+                shapes=decode_shapes(cfg, o.shapes, fused=any(
+                    TUNED_VARIANTS[v][0] for v in o.variants if v in TUNED_VARIANTS)),
                 budget_s=search_budget_s, table_path=o.table_path,
                 progress=log, evals=o.search_evals, details=details)
         if o.table_path is None and o.state_dir is not None:
@@ -446,8 +452,13 @@ class Bench:
             g_nh, out_nh = capture_graph(lambda: model.decode_step(tokens, positions, stock, head=False))
             return graph.replay, out, {"_no_head": (g_nh.replay, out_nh)}
         if variant in TUNED_VARIANTS:
-            return self._tuned_step(model, tokens, positions, stock, table, table_note, doc, batch, ctx,
-                                    ref, tol, fused=TUNED_VARIANTS[variant])
+            fused, pdl_on = TUNED_VARIANTS[variant]
+            with pdl(pdl_on):  # captured launches keep the setting they were captured with
+                step = self._tuned_step(model, tokens, positions, stock, table, table_note, doc, batch,
+                                        ctx, ref, tol, fused=fused, name=variant)
+            if not pdl_on and step[0] is not None:
+                step[2]["pdl"] = "off (HWTUNE_PDL=0 equivalent): the table's kernels launched plainly"
+            return step
         if variant == "compile":
             if not self.cuda:
                 return None, None, {"status": "skipped: needs CUDA (compile is a GPU measurement here)"}
@@ -459,7 +470,7 @@ class Bench:
         return None, None, {"status": f"skipped: unknown variant {variant!r}"}
 
     def _tuned_step(self, model, tokens, positions, stock, table, table_note, doc, batch, ctx, ref, tol,
-                    fused=True):
+                    fused=True, name=None):
         """The graphed step with TunedOps on the dispatch table (fused=False: without the fused
         decode kernels). One check, of the whole step's logits against stock's (not a keep rule:
         nothing is dropped for being slow); when it fails, the row says so and which op(s) it is
@@ -473,7 +484,8 @@ class Bench:
         failure = self._check_tuned(model, tokens, positions, ops, ref, tol)
         used = describe_kernels(ops, cfg, batch, s_max, dt)
         # "BxCTX" for tuned (the key earlier results use), "BxCTX variant" for the others
-        doc["tuned_kernels"][f"{batch}x{ctx}" + ("" if ops.name == "tuned" else f" {ops.name}")] = used
+        name = name or ops.name
+        doc["tuned_kernels"][f"{batch}x{ctx}" + ("" if name == "tuned" else f" {name}")] = used
         fields = {"kernels": {label: u["impl"] + (f" ({u['reason']})" if u.get("reason") else "")
                               for label, u in used.items()},
                   "fusions": describe_fusions(ops, cfg, batch, dt, s_max),

@@ -29,7 +29,8 @@ def add_bench_arguments(p) -> None:
                    help="decode batch x context, e.g. 1x2048,8x2048,32x2048,1x8192")
     m.add_argument("--prefill", default=None, metavar="BxT,...", help="prefill batch x tokens")
     m.add_argument("--variants", default=None,
-                   help="comma list of eager, graphed, compile, tuned, tuned-unfused (built-in, all by default) and "
+                   help="comma list of eager, graphed, compile, tuned, tuned-unfused (built-in, all by default; "
+                        "tuned-nopdl, the tuned step without programmatic dependent launch, by name only) and "
                         "hf-eager, hf-compiled, hf-hwtune-unfused, hf-hwtune, hf-liger (hf-llama, all by default)")
     m.add_argument("--steps", type=int, default=50, help="timed decode steps (median; >= 20)")
     m.add_argument("--warmup", type=int, default=10, help="untimed decode steps before the timed ones")
@@ -91,7 +92,7 @@ def _models(args) -> tuple:
     if args.from_results or args.workload_command:
         return models
     from daemon.bench import hf
-    from daemon.bench.run import VARIANTS
+    from daemon.bench.run import EXTRA_VARIANTS, VARIANTS
 
     if args.model_path is not None:
         if "hf-llama" not in models:
@@ -103,20 +104,21 @@ def _models(args) -> tuple:
         raise UsageError(f"--check {args.check}: at least 1 compared step")
     if args.variants is not None:
         names = [v.strip() for v in args.variants.split(",") if v.strip()]
-        unknown = sorted(set(names) - set(VARIANTS) - set(hf.VARIANTS))
+        unknown = sorted(set(names) - set(VARIANTS) - set(EXTRA_VARIANTS) - set(hf.VARIANTS))
         if unknown:
             raise UsageError(f"--variants: unknown {', '.join(unknown)}")
-        for model, known in (("builtin", VARIANTS), ("hf-llama", hf.VARIANTS)):
+        for model, known in (("builtin", VARIANTS + EXTRA_VARIANTS), ("hf-llama", hf.VARIANTS)):
             if model in models and not set(names) & set(known):
                 raise UsageError(f"--variants {args.variants}: none for --model {model} "
                                  f"({', '.join(known)})")
     return models
 
 
-def _variants(args, known) -> tuple:
+def _variants(args, known, extra=()) -> tuple:
+    """--variants, those of this model only; all of `known` by default (`extra` by name only)."""
     if args.variants is None:
         return tuple(known)
-    return tuple(v for v in (x.strip() for x in args.variants.split(",")) if v in known)
+    return tuple(v for v in (x.strip() for x in args.variants.split(",")) if v in known or v in extra)
 
 
 def run_bench(args, ctx) -> int:
@@ -190,13 +192,13 @@ def _measure(args, ctx) -> dict:
         doc = _measure_hf(args, ctx, reader, None)
         table_path = args.table
     else:
-        from daemon.bench.run import VARIANTS, Bench, BenchOptions, parse_shapes
+        from daemon.bench.run import EXTRA_VARIANTS, VARIANTS, Bench, BenchOptions, parse_shapes
         try:
             opts = BenchOptions(
                 device=args.device, preset=args.preset, layers=args.layers, vocab=args.vocab,
                 dtype=args.dtype, shapes=parse_shapes(args.shapes or ""),
                 prefill_shapes=parse_shapes(args.prefill or ""),
-                variants=_variants(args, VARIANTS),
+                variants=_variants(args, VARIANTS, EXTRA_VARIANTS),
                 steps=args.steps, warmup=args.warmup, energy_window_s=args.energy_window_s,
                 budget_s=args.budget_s, table_path=args.table, state_dir=str(ctx.state_dir),
                 search_evals=args.search_evals, seed=args.seed)

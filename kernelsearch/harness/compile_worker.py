@@ -29,7 +29,7 @@ def compile_one(source_text: str, job: dict) -> bool:
     import torch
 
     from kernelsearch.harness import source as source_mod
-    from kernelsearch.harness.run_plan import TORCH_DTYPES
+    from kernelsearch.harness.run_plan import TORCH_DTYPES, pdl_kwargs
 
     src = source_mod.KernelSource.parse(source_text)
     if src.sha256 not in _worker_kernels:
@@ -53,6 +53,6 @@ def compile_one(source_text: str, job: dict) -> bool:
             positional.append(getattr(tl, rest[0]))
         else:
             positional.append(rest[0])
-    torch.cuda.current_device()
-    fn.warmup(*positional, grid=tuple(job["grid"]), **job["options"])
+    device = torch.device("cuda", torch.cuda.current_device())
+    fn.warmup(*positional, grid=tuple(job["grid"]), **job["options"], **pdl_kwargs(fn, device))
     return True

@@ -6,8 +6,17 @@ executor and by the dispatch runtime (the same code runs what was verified).
 
 Only the file's @triton.jit kernels (compiled by the harness from checked source, see
 source.load_kernels) and zero fills ever run; nothing of the candidate's Python.
+
+On sm_90+ every kernel is launched with programmatic dependent launch (PDL): the generated
+module makes `gdc_wait()` each kernel's first statement behind a flag only this launcher sets
+(source._with_grid_dependency_wait), so a kernel's launch and the previous kernel's end
+overlap and it starts the moment that one is done; the results are those of a plain launch.
+HWTUNE_PDL=0 in the environment, or `with pdl(False):`, launches plainly.
 """
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 
@@ -40,6 +49,46 @@ class Bound:
             fn(*args, **kwargs)
 
 
+_pdl = os.environ.get("HWTUNE_PDL", "1").strip() not in ("0", "off", "false", "no")
+_sm90: dict = {}
+
+
+@contextlib.contextmanager
+def pdl(enabled: bool):
+    """Launch with PDL (where the device and the kernel allow it) or not, inside the block:
+    what a launch captured into a CUDA graph in the block keeps."""
+    global _pdl
+    before, _pdl = _pdl, bool(enabled)
+    try:
+        yield
+    finally:
+        _pdl = before
+
+
+def pdl_enabled() -> bool:
+    return _pdl
+
+
+def pdl_kwargs(fn, device) -> dict:
+    """The launch arguments that turn on PDL for kernel `fn` (a compiled jit function of a
+    generated module) on `device`: {} where PDL is off, the device is not sm_90+ CUDA, the
+    kernel has no grid-dependency wait (a Triton without the gdc ops), or it is not compiled
+    (TRITON_INTERPRET=1, even with CUDA tensors: the interpreter has no gdc ops)."""
+    from triton.runtime.jit import JITFunction
+
+    from kernelsearch.harness.source import PDL_PARAM
+
+    if not _pdl or not isinstance(fn, JITFunction) or PDL_PARAM not in (fn.arg_names or ()):
+        return {}
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm90:
+        _sm90[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return {PDL_PARAM: True, "launch_pdl": True} if _sm90[index] else {}
+
+
 def _zero(t: torch.Tensor) -> None:
     t.zero_()
 
@@ -48,6 +97,7 @@ def bind(plan: Plan, kernels: dict, buffers: dict, scalars: dict) -> Bound:
     import triton.language as tl
 
     calls = []
+    device = next(iter(buffers.values())).device if buffers else torch.device("cpu")
     for step in plan.steps:
         if isinstance(step, Zero):
             raw = buffers[step.ref.buf]
@@ -70,5 +120,7 @@ def bind(plan: Plan, kernels: dict, buffers: dict, scalars: dict) -> Bound:
         grid = tuple(step.grid)
         if 0 in grid:
             continue  # an empty grid launches nothing (Triton would refuse it)
-        calls.append((kernels[step.kernel][grid], (), kwargs))
+        fn = kernels[step.kernel]
+        kwargs.update(pdl_kwargs(fn, device))
+        calls.append((fn[grid], (), kwargs))
     return Bound(calls)
