@@ -46,13 +46,15 @@ gap_rows() {  # gap_rows TABLE [TIMEOUT_S]: bench/gaps_gpu.py on TABLE (gaps.md,
   timeout ${2:-150} python3 bench/gaps_gpu.py --table "$1" --shapes 1x2048,32x2048 --out "$OUT"
   echo "gaps rc=$?"; rm -f "$OUT"/events-*.json
 }
-model_rows() {  # model_rows TABLE: built-in rows, hf-llama rows, gap breakdown, all on TABLE
+builtin_rows() {  # builtin_rows TABLE [SUFFIX]: the built-in rows on TABLE (builtin-results$SUFFIX.json)
   timeout 200 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
       --shapes 1x2048,32x2048 --variants graphed,tuned-unfused,tuned-nopdl,tuned --budget-s 180 \
       --energy-window-s 2 --table "$1" --out "$OUT/builtin"
   echo "bench rc=$?"
   cp "$OUT/builtin/results.json" "$OUT/builtin-results${2:-}.json"; rm -rf "$OUT/builtin"
-  [ -n "${2:-}" ] && return
+}
+model_rows() {  # model_rows TABLE: built-in rows, hf-llama rows, gap breakdown, all on TABLE
+  builtin_rows "$1"
   timeout ${HF_S:-240} python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
       --shapes 1x2048,32x2048 --variants hf-eager,hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 220 \
       --steps 32 --warmup 4 --check 4 --energy-window-s 2 --table "$1" --out "$OUT/hf"
@@ -161,7 +163,7 @@ H)
   cp $ST/dispatch/*.json "$OUT/dispatch.json"
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pdl.py tests/test_verifier_guards.py
   echo "gpu tests rc=$?"
-  model_rows "$OUT/dispatch.json" -1 ;;
+  builtin_rows "$OUT/dispatch.json" -1 ;;
 I)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
