@@ -325,6 +325,39 @@ OPS = {"rms_norm": "rmsnorm", "add_rms_norm": "add_rmsnorm", "linear": "linear",
        "rms_norm_gate_up_swiglu": "rmsnorm_gate_up_swiglu",
        "linear_residual": "linear_residual"}  # op name -> kernel (spec) name
 
+
+def register_inductor_fallbacks() -> list[str]:
+    """Register every hwtune op with TorchInductor as an explicit fallback, the lowering
+    inductor would give it anyway at its first compile (the op runs as the opaque call it is,
+    under the layout constraint of the op's tag, else inductor's default for custom ops).
+    Why: inductor 2.11 logs each implicit fallback with the text of its IR arguments, built
+    whatever the log level (later releases build it lazily). For the patched Llama decode step
+    that text took minutes on an H200 (torch 2.11: the first compile of hf-llama patched did not
+    finish in 400 s; 10 s with the text left out). Registered, no op reaches that log line.
+    Returns the ops registered by this call (an op inductor already has is left as it is);
+    never raises: where inductor cannot be imported, lacks these hooks or refuses one, the ops
+    left are left to inductor's own implicit fallback, as before."""
+    try:
+        from torch._inductor import lowering
+        from torch._library.utils import get_layout_constraint_tag
+        constraint_of = lowering.tag_to_layout_constraint
+        make_fallback, known = lowering.make_fallback, lowering.lowerings
+    except Exception:   # no inductor here, or another layout of its internals
+        return []
+    done = []
+    for name in OPS:
+        op = getattr(torch.ops.hwtune, name).default
+        if op in known:
+            continue
+        try:
+            make_fallback(op, layout_constraint=constraint_of(get_layout_constraint_tag(op, with_default=True)),
+                          warn=False)
+        except Exception:   # another inductor: its first compile registers the rest itself
+            break
+        done.append(name)
+    return done
+
+
 __all__ = ["rms_norm", "add_rms_norm", "linear", "swiglu", "rope", "decode_attention", "rope_kv_write",
            "rope_kv_attention", "rms_norm_linear", "rms_norm_gate_up_swiglu", "linear_residual",
-           "table_handle", "table_of", "run", "OPS"]
+           "table_handle", "table_of", "run", "register_inductor_fallbacks", "OPS"]

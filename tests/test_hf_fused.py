@@ -182,6 +182,78 @@ def test_fused_decode_step_compiles_with_fullgraph_and_matches(name):
     torch._dynamo.reset()
 
 
+def test_patch_registers_every_hwtune_op_with_inductor_before_a_compile_reaches_it(monkeypatch):
+    """Inductor's implicit fallback for an op it has no lowering for logs the op's IR arguments,
+    and torch 2.11 builds that text eagerly (minutes for the patched Llama step on the H200):
+    patch() registers the ops first, with the layout constraint the implicit path would pick, so
+    no hwtune op takes that path. Compiled with inductor itself where a C++ compiler is here."""
+    lowering = pytest.importorskip("torch._inductor.lowering")
+    import torch._inductor.graph as inductor_graph
+    from torch._library.utils import get_layout_constraint_tag
+
+    from kernelsearch import ops
+
+    model = tiny_model("Llama")
+    want = run_both(model)
+    patch(model, dispatch.DispatchTable.empty(), stock_through_ops=True)
+    for name in ops.OPS:
+        op = getattr(torch.ops.hwtune, name).default
+        assert op in lowering.lowerings, name
+        expected = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        assert lowering.maybe_layout_constraints(op) is expected, name
+    assert ops.register_inductor_fallbacks() == []   # a second call changes nothing
+    import shutil
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler for inductor's CPU code here: registration checked, compile not")
+    implicit = []
+    real = inductor_graph.make_fallback
+
+    def record(target, *args, **kwargs):   # what graph.py calls for an implicit fallback
+        implicit.append(str(target))
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(inductor_graph, "make_fallback", record)
+    torch._dynamo.reset()
+    got = run_both(model, step_fn=torch.compile(model.forward, fullgraph=True))
+    torch._dynamo.reset()
+    assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
+    assert not [t for t in implicit if t.startswith("hwtune")], implicit
+
+
+def test_cos_sin_and_the_position_reach_the_fused_op_as_batch_rows_made_outside_it():
+    """Broadcast cos/sin (position_ids of batch 1) and the cache position become [B, ...] rows
+    in the model's code, where torch.compile makes cos/sin once a step, not inside every layer's
+    op; rows already there pass as they are."""
+    from kernelsearch.integrations.transformers import _rows_of
+
+    one = torch.randn(1, 8)
+    rows = _rows_of(one, 3)
+    assert rows.shape == (3, 8) and rows.is_contiguous() and torch.equal(rows, one.expand(3, 8))
+    assert rows.data_ptr() != one.data_ptr()
+    three = torch.randn(3, 8)
+    assert _rows_of(three, 3) is three
+    pos = torch.tensor([5])
+    assert _rows_of(pos, 4).tolist() == [5, 5, 5, 5]
+    model = tiny_model("Llama")
+    patch(model, dispatch.DispatchTable.empty(), stock_through_ops=True)
+    seen = []
+    real = torch.ops.hwtune.rope_kv_attention
+
+    class Spy:
+        def __call__(self, qkv, cos, sin, positions, *rest):
+            seen.append((tuple(cos.shape), cos.is_contiguous(), tuple(positions.shape), positions.is_contiguous()))
+            return real(qkv, cos, sin, positions, *rest)
+
+    import kernelsearch.integrations.transformers as integration
+    original = integration.torch.ops.hwtune.rope_kv_attention
+    try:
+        torch.ops.hwtune.rope_kv_attention = Spy()
+        run_both(model, steps=1)
+    finally:
+        torch.ops.hwtune.rope_kv_attention = original
+    assert seen and all(s == ((B, s[0][1]), True, (B,), True) for s in seen), seen
+
+
 def test_generate_with_a_static_cache_through_the_fused_layers_gives_the_unpatched_tokens():
     model = tiny_model("Mistral")
     ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(2))

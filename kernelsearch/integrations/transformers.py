@@ -53,6 +53,10 @@ length per sequence (positions 0..L-1); a padded row breaks that. Eagerly the pa
 checks the mask and runs the model's own attention when a row is padded; under torch.compile
 (no host sync) such a row's output is NaN instead of silently wrong.
 
+torch.compile: patch() registers the ops with inductor as explicit fallbacks first
+(ops.register_inductor_fallbacks: torch 2.11 spent minutes writing out their arguments' IR for
+its implicit-fallback log line at the first compile).
+
 Inference only: hwtune's ops have no backward; a module in training mode runs the original.
 Hooks: a swapped module takes over the forward hooks of the module it replaces, and gives back at
 unpatch the ones registered on it meanwhile (transformers 5 installs its output-recording hooks
@@ -149,6 +153,16 @@ def _rows(x) -> int:
     for d in x.shape[:-1]:
         n *= d
     return n
+
+
+def _rows_of(x, bsz: int):
+    """x [1, ...] (cos, sin or the cache position, the same for every sequence) as `bsz`
+    contiguous rows, made here rather than inside the op: under torch.compile the copies are
+    nodes of the graph that inductor fuses (H200, batch 32: one small kernel a layer, where the
+    op's own copies were three aten kernels a layer). Rows already there pass as they are."""
+    if x.shape[0] == bsz:
+        return x
+    return x.expand(bsz, *x.shape[1:]).contiguous()
 
 
 def _rotate_half(x):
@@ -319,9 +333,10 @@ class HwtuneAttention(nn.Module):
             # StaticLayer.update would write (its cumulative_length), which then advances as
             # update advances it: one launch instead of RoPE plus two index_copy_
             keys, values = layer.keys, layer.values
-            positions = layer.cumulative_length.reshape(1).expand(bsz)
-            q = torch.ops.hwtune.rope_kv_write(qkv.reshape(bsz, hq + 2 * hkv, d), cos.reshape(-1, d),
-                                               sin.reshape(-1, d), positions, keys, values, self.table)
+            positions = _rows_of(layer.cumulative_length.reshape(1), bsz)
+            cos, sin = _rows_of(cos.reshape(-1, d), bsz), _rows_of(sin.reshape(-1, d), bsz)
+            q = torch.ops.hwtune.rope_kv_write(qkv.reshape(bsz, hq + 2 * hkv, d), cos, sin, positions,
+                                               keys, values, self.table)
             layer.cumulative_length.add_(1)
             q = q.view(bsz, 1, hq, d)
         elif _uses(self._rope, bsz * q_len):
@@ -382,7 +397,7 @@ class HwtuneAttention(nn.Module):
         sync), makes that row NaN in the first patched layer, as _decode does."""
         bsz, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         keys, values = layer.keys, layer.values
-        positions = layer.cumulative_length.reshape(1).expand(bsz)
+        positions = _rows_of(layer.cumulative_length.reshape(1), bsz)
         compiling = torch.compiler.is_compiling()
         ok = None
         if mask is not None and (self._guards_padding or not compiling):
@@ -392,9 +407,9 @@ class HwtuneAttention(nn.Module):
             ok = (valid == want).all(dim=-1)
             if not compiling and not bool(ok.all()):
                 return None
-        out = torch.ops.hwtune.rope_kv_attention(qkv.reshape(bsz, hq + 2 * hkv, d), cos.reshape(-1, d),
-                                                 sin.reshape(-1, d), positions, keys, values,
-                                                 float(self.scaling), self.table)
+        cos, sin = _rows_of(cos.reshape(-1, d), bsz), _rows_of(sin.reshape(-1, d), bsz)
+        out = torch.ops.hwtune.rope_kv_attention(qkv.reshape(bsz, hq + 2 * hkv, d), cos, sin, positions,
+                                                 keys, values, float(self.scaling), self.table)
         layer.cumulative_length.add_(1)
         if ok is not None and compiling:
             out = torch.where(ok[:, None, None], out, float("nan"))
@@ -688,6 +703,9 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
         return report
 
     handle = ops.table_handle(table)
+    # before any torch.compile of the model reaches the ops (see the function: minutes of a
+    # first compile on torch 2.11 otherwise)
+    ops.register_inductor_fallbacks()
     entries = list(table.entries)
     device_type = next(model.parameters()).device.type
     if entries:
