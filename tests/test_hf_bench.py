@@ -299,3 +299,22 @@ def test_without_a_table_the_decode_shapes_are_searched_into_the_state_dir_first
     # what the search was asked for: this model's decode shapes (those the budget reached)
     assert searched and searched <= {(k, json.dumps(s, sort_keys=True)) for k, v in want.items() for s in v}
     assert [r["status"] for r in doc["decode"]] == ["ok", "ok"]
+
+
+def test_a_long_first_compile_says_it_is_still_running_and_stops_saying_it_after(capsys):
+    import time
+
+    from daemon.bench import hf
+
+    with hf.heartbeat("hf-llama hf-hwtune: compiling", every_s=0.05):
+        time.sleep(0.3)
+    during = capsys.readouterr().err
+    lines = [ln for ln in during.splitlines() if "hf-llama hf-hwtune: compiling: still running after" in ln]
+    assert len(lines) >= 2, during
+    time.sleep(0.2)
+    assert "still running" not in capsys.readouterr().err   # the thread ended with the block
+    with pytest.raises(ValueError):   # an error in the block still stops the beat
+        with hf.heartbeat("x", every_s=0.05):
+            raise ValueError("boom")
+    time.sleep(0.15)
+    assert "still running" not in capsys.readouterr().err

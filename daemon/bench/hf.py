@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -236,6 +238,29 @@ def resolve_table(opts: HfOptions, config, left_s: float):
 
 
 # ---- one mode -------------------------------------------------------------------------------
+HEARTBEAT_S = 30.0   # a compile still running says so this often
+
+
+@contextmanager
+def heartbeat(what: str, every_s: float = HEARTBEAT_S):
+    """Log "WHAT: still running after N s" every `every_s` while the block runs: a first
+    torch.compile of a model takes seconds to minutes, and silence looks like a hang."""
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def beat():
+        while not stop.wait(every_s):
+            log(f"{what}: still running after {time.monotonic() - t0:.0f}s")
+
+    thread = threading.Thread(target=beat, name="hwtune-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def run_mode(model, mode: str, opts: HfOptions, prompt, forced=None, reader=None,
              fullgraph: bool = True) -> dict:
     """Prefill eagerly, `check` teacher-forced steps (kept; they also compile), `warmup`, then
@@ -268,7 +293,11 @@ def run_mode(model, mode: str, opts: HfOptions, prompt, forced=None, reader=None
         fed = [token]
         for i in range(opts.check):
             t = time.monotonic()
-            logits = step(token)
+            if i == 0 and mode != "hf-eager":
+                with heartbeat(f"hf-llama {mode}: compiling (torch.compile, the first step)"):
+                    logits = step(token)
+            else:
+                logits = step(token)
             out["checked"].append(logits.float().clone())   # out of the graph pool before the next replay
             if i == 0 and mode != "hf-eager":
                 if cuda:
