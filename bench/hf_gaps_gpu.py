@@ -9,8 +9,9 @@ torch.compile(mode="reduce-overhead", fullgraph=True), the argmax after it), pat
 variant says, is timed by CUDA events over back-to-back steps (median), then run again under
 torch.profiler with a synchronize and a 2 ms sleep after each step, which splits the trace into
 steps. Per variant and shape: daemon.bench.gaps.breakdown against the floor with the head (the
-step makes logits), and each kernel's position in a layer with its median time
-(bench/gaps_gpu.py's layer_positions): what the built-in step's profile (bench/gaps_gpu.py) does
+step makes logits), each kernel's position in a layer with its median time where the layers
+repeat one pattern (bench/gaps_gpu.py's layer_positions; inductor's glue kernels often break it),
+and one step's kernels in order: what the built-in step's profile (bench/gaps_gpu.py) does
 not show, the kernels that transformers' own code and the patch's glue add. Writes DIR/hf-gaps.md
 and DIR/hf-gaps.json. Read-only: changes no GPU setting. Progress lines go to stderr with
 seconds since the start.

@@ -9,6 +9,7 @@ table=$1; before=$2
 ST=$(mktemp -d)
 now=kernelsearch/integrations/transformers.py
 keep=$(mktemp); cp "$now" "$keep"
+trap 'cp "$keep" "$now"' EXIT   # the working tree's integration back, however the script ends
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.limit,persistence_mode --format=csv
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"; } > "$OUT/env.txt" 2>&1
 rows() {  # rows NAME: hf eager (the reference) and hf-hwtune on TABLE -> $OUT/hf-NAME.json
