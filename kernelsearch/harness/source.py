@@ -179,9 +179,11 @@ def _with_grid_dependency_wait(fn: ast.FunctionDef, trigger: str = "none") -> as
     import copy
 
     new = copy.deepcopy(fn)
-    constexpr = ast.Attribute(value=ast.Attribute(value=ast.Name(id="triton", ctx=ast.Load()),
-                                                  attr="language", ctx=ast.Load()),
-                              attr="constexpr", ctx=ast.Load())
+    # The annotation's text, never evaluated (the module has `from __future__ import
+    # annotations`): Triton reads "constexpr" in it; Triton 3.6's interpreter only takes the text
+    # "tl.constexpr" or "constexpr" (with "triton.language.constexpr" it passed the default
+    # False as an int1 tensor and failed every kernel on the CPU).
+    constexpr = ast.Attribute(value=ast.Name(id="tl", ctx=ast.Load()), attr="constexpr", ctx=ast.Load())
     new.args.args.append(ast.arg(arg=PDL_PARAM, annotation=constexpr))
     new.args.defaults.append(ast.Constant(False))
     call = lambda name: ast.Expr(ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=[], keywords=[]))
