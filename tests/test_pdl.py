@@ -107,17 +107,9 @@ def test_a_candidate_cannot_call_the_grid_dependency_ops_itself(snippet, words):
 
 
 def test_a_plan_cannot_set_the_wait_flag_or_launch_pdl_itself():
-    src = KernelSource.parse((CANDIDATES / "honest_rmsnorm.py").read_text())
-    step = {"op": "launch", "kernel": "_rmsnorm_row", "grid": [5], "options": {"num_warps": 4},
-            "args": {"x_ptr": {"ref": {"buf": "x", "offset": 0, "dtype": "float32"}},
-                     "w_ptr": {"ref": {"buf": "weight", "offset": 0, "dtype": "float32"}},
-                     "out_ptr": {"ref": {"buf": "out", "offset": 0, "dtype": "float32"}},
-                     "n_cols": {"int": 1000}, "eps": {"scalar": ["arg", "eps"]}, "BLOCK_N": {"int": 1024}}}
+    from test_verifier_guards import honest_rmsnorm_step, validate_honest_rmsnorm as attempt
 
-    def attempt(s):
-        return plan_mod.validate({"buffers": {}, "steps": [s]}, kernels=src.kernels,
-                                 roles={"x": 20000, "weight": 4000, "out": 20000}, inputs={"x", "weight"},
-                                 scalars={"eps"}, workspace_budget_bytes=1 << 30)
+    step = honest_rmsnorm_step()
     assert attempt(step).launches == 1
     forged = json.loads(json.dumps(step))
     forged["args"][PDL_PARAM] = {"bool": False}

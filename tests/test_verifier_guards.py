@@ -79,18 +79,26 @@ def test_a_forged_or_broken_plan_is_refused_before_anything_runs(bad, guard):
     assert info.value.guard == guard
 
 
-def test_plan_arguments_are_checked_against_the_kernel_signature():
-    src = KernelSource.parse((CANDIDATES / "honest_rmsnorm.py").read_text())
-    ok = {"op": "launch", "kernel": "_rmsnorm_row", "grid": [5], "options": {"num_warps": 4},
-          "args": {"x_ptr": {"ref": {"buf": "x", "offset": 0, "dtype": "float32"}},
-                   "w_ptr": {"ref": {"buf": "weight", "offset": 0, "dtype": "float32"}},
-                   "out_ptr": {"ref": {"buf": "out", "offset": 0, "dtype": "float32"}},
-                   "n_cols": {"int": 1000}, "eps": {"scalar": ["arg", "eps"]}, "BLOCK_N": {"int": 1024}}}
-    roles = {"x": 20000, "weight": 4000, "out": 20000}
+def honest_rmsnorm_step() -> dict:
+    """A valid launch step of candidates/honest_rmsnorm.py's kernel (a fresh dict each call)."""
+    return {"op": "launch", "kernel": "_rmsnorm_row", "grid": [5], "options": {"num_warps": 4},
+            "args": {"x_ptr": {"ref": {"buf": "x", "offset": 0, "dtype": "float32"}},
+                     "w_ptr": {"ref": {"buf": "weight", "offset": 0, "dtype": "float32"}},
+                     "out_ptr": {"ref": {"buf": "out", "offset": 0, "dtype": "float32"}},
+                     "n_cols": {"int": 1000}, "eps": {"scalar": ["arg", "eps"]}, "BLOCK_N": {"int": 1024}}}
 
-    def attempt(step):
-        return plan_mod.validate({"buffers": {}, "steps": [step]}, kernels=src.kernels, roles=roles,
-                                 inputs={"x", "weight"}, scalars={"eps"}, workspace_budget_bytes=1 << 30)
+
+def validate_honest_rmsnorm(step: dict):
+    """plan.validate of a one-step plan against honest_rmsnorm.py's kernels and rmsnorm's roles."""
+    src = KernelSource.parse((CANDIDATES / "honest_rmsnorm.py").read_text())
+    return plan_mod.validate({"buffers": {}, "steps": [step]}, kernels=src.kernels,
+                             roles={"x": 20000, "weight": 4000, "out": 20000}, inputs={"x", "weight"},
+                             scalars={"eps"}, workspace_budget_bytes=1 << 30)
+
+
+def test_plan_arguments_are_checked_against_the_kernel_signature():
+    ok = honest_rmsnorm_step()
+    attempt = validate_honest_rmsnorm
     assert attempt(ok).launches == 1
     for change in ({"BLOCK_N": {"ref": {"buf": "x", "offset": 0, "dtype": "float32"}}},   # constexpr = buffer
                    {"extra": {"int": 1}},                                                   # unknown parameter

@@ -37,7 +37,7 @@ import statistics
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -293,13 +293,12 @@ def run_mode(model, mode: str, opts: HfOptions, prompt, forced=None, reader=None
         fed = [token]
         for i in range(opts.check):
             t = time.monotonic()
-            if i == 0 and mode != "hf-eager":
-                with heartbeat(f"hf-llama {mode}: compiling (torch.compile, the first step)"):
-                    logits = step(token)
-            else:
+            compiling = i == 0 and mode != "hf-eager"
+            with heartbeat(f"hf-llama {mode}: compiling (torch.compile, the first step)") if compiling \
+                    else nullcontext():
                 logits = step(token)
             out["checked"].append(logits.float().clone())   # out of the graph pool before the next replay
-            if i == 0 and mode != "hf-eager":
+            if compiling:
                 if cuda:
                     torch.cuda.synchronize()
                 out["compile_s"] = time.monotonic() - t

@@ -165,6 +165,13 @@ def _rows_of(x, bsz: int):
     return x.expand(bsz, *x.shape[1:]).contiguous()
 
 
+def _step_rows(layer, cos, sin, bsz: int, d: int):
+    """(positions [B], cos [B, D], sin [B, D]) for hwtune::rope_kv_write / rope_kv_attention at
+    a one-token step on StaticLayer `layer`: its cumulative_length, the model's cos/sin."""
+    return (_rows_of(layer.cumulative_length.reshape(1), bsz), _rows_of(cos.reshape(-1, d), bsz),
+            _rows_of(sin.reshape(-1, d), bsz))
+
+
 def _rotate_half(x):
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
@@ -333,8 +340,7 @@ class HwtuneAttention(nn.Module):
             # StaticLayer.update would write (its cumulative_length), which then advances as
             # update advances it: one launch instead of RoPE plus two index_copy_
             keys, values = layer.keys, layer.values
-            positions = _rows_of(layer.cumulative_length.reshape(1), bsz)
-            cos, sin = _rows_of(cos.reshape(-1, d), bsz), _rows_of(sin.reshape(-1, d), bsz)
+            positions, cos, sin = _step_rows(layer, cos, sin, bsz, d)
             q = torch.ops.hwtune.rope_kv_write(qkv.reshape(bsz, hq + 2 * hkv, d), cos, sin, positions,
                                                keys, values, self.table)
             layer.cumulative_length.add_(1)
@@ -397,7 +403,7 @@ class HwtuneAttention(nn.Module):
         sync), makes that row NaN in the first patched layer, as _decode does."""
         bsz, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         keys, values = layer.keys, layer.values
-        positions = _rows_of(layer.cumulative_length.reshape(1), bsz)
+        positions, cos, sin = _step_rows(layer, cos, sin, bsz, d)
         compiling = torch.compiler.is_compiling()
         ok = None
         if mask is not None and (self._guards_padding or not compiling):
@@ -407,7 +413,6 @@ class HwtuneAttention(nn.Module):
             ok = (valid == want).all(dim=-1)
             if not compiling and not bool(ok.all()):
                 return None
-        cos, sin = _rows_of(cos.reshape(-1, d), bsz), _rows_of(sin.reshape(-1, d), bsz)
         out = torch.ops.hwtune.rope_kv_attention(qkv.reshape(bsz, hq + 2 * hkv, d), cos, sin, positions,
                                                  keys, values, float(self.scaling), self.table)
         layer.cumulative_length.add_(1)
