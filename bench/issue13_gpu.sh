@@ -26,6 +26,11 @@
 #                                        PDL and the verifier guards, the built-in rows (with tuned-nopdl)
 #   bench/issue13_gpu.sh I TABLE         on TABLE: the hf-llama rows, the built-in rows again and the
 #                                        gap breakdown
+#   bench/issue13_gpu.sh J TABLE         the GPU tests of PDL and the verifier guards, bench/pdl_probe.py
+#                                        (batch 1 with attention, batch 32), the built-in tuned rows
+#                                        with HWTUNE_PDL_TRIGGER none, then late
+#   bench/issue13_gpu.sh K TABLE         the hf-llama rows on TABLE, with a fresh inductor cache, then
+#                                        bench/harness_gpu.py --quick (hostile candidates on the GPU)
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -168,6 +173,29 @@ I)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
   model_rows "$table" ;;
+J)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pdl.py tests/test_verifier_guards.py
+  echo "gpu tests rc=$?"
+  timeout 240 python3 bench/pdl_probe.py --layers 8 --json "$OUT/pdl-probe.json"
+  echo "pdl probe rc=$?"
+  n=0
+  for t in none late; do
+    n=$((n + 1))
+    HWTUNE_PDL_TRIGGER=$t timeout 110 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin \
+        --layers 8 --shapes 1x2048,32x2048 --variants tuned-nopdl,tuned --budget-s 100 --energy-window-s 0 \
+        --table "$table" --out "$OUT/b"
+    echo "trigger $t rc=$?"
+    cp "$OUT/b/results.json" "$OUT/b-$n-$t.json"; rm -rf "$OUT/b"
+  done ;;
+K)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)   # a cold compile: what a new user's first run does
+  HF_S=${HF_S:-360} hf_rows "$table"; cat "$OUT/hf.log"; rm -f "$OUT/hf.log"
+  OUT=$OUT timeout ${HARNESS_S:-200} python3 bench/harness_gpu.py --quick > "$OUT/harness-gpu.txt" 2>&1
+  echo "harness_gpu rc=$?" ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1

@@ -72,6 +72,34 @@ def test_the_trigger_goes_where_hwtune_pdl_trigger_says_and_nothing_precedes_the
     assert [s.value.func.id for s in fn.body[0].body] == ["_hwtune_gdc_wait"]
 
 
+def _guards(fn, name):
+    """Indices of fn's top-level `if _hwtune_pdl: <name>()` statements."""
+    return [i for i, s in enumerate(fn.body) if isinstance(s, ast.If) and isinstance(s.test, ast.Name)
+            and s.test.id == PDL_PARAM and any(_is_call(b, name) for b in s.body)]
+
+
+@needs_gdc
+def test_a_late_trigger_goes_before_the_first_statement_that_stores_and_the_wait_stays_first(monkeypatch):
+    monkeypatch.setenv("HWTUNE_PDL_TRIGGER", "late")
+    snippet = ("@triton.jit\ndef _put(p, v):\n    tl.store(p, v)\n\n\n"
+               "@triton.jit\ndef _k(x_ptr, n):\n    a = tl.load(x_ptr)\n    for i in range(n):\n        a += 1\n"
+               "    _put(x_ptr + 1, a)\n    tl.store(x_ptr, a)\n")
+    base = "import triton\nimport triton.language as tl\n\n\ndef launch(x):\n    pass\n\n\n"
+    fns = {n.name: n for n in ast.parse(KernelSource.parse(base + snippet).module_text()).body
+           if isinstance(n, ast.FunctionDef)}
+    k = fns["_k"]
+    assert _guards(k, "_hwtune_gdc_wait") == [0] and len(k.body[0].body) == 1   # the wait, first, alone
+    (i,) = _guards(k, "_hwtune_gdc_launch")
+    assert isinstance(k.body[i - 1], ast.For) and ast.unparse(k.body[i + 1]).startswith("_put(")  # a helper that stores
+    # the templates: after the main loop (a For), before the epilogue
+    src = KernelSource.parse((ROOT / "kernelsearch" / "kernels" / "linear.py").read_text())
+    gemv = next(n for n in ast.parse(src.module_text()).body if isinstance(n, ast.FunctionDef)
+                and n.name == "_gemv_kernel")
+    (i,) = _guards(gemv, "_hwtune_gdc_launch")
+    assert _guards(gemv, "_hwtune_gdc_wait") == [0]
+    assert any(isinstance(s, ast.For) for s in gemv.body[:i]) and not any(isinstance(s, ast.For) for s in gemv.body[i:])
+
+
 @pytest.mark.parametrize("snippet", [
     # a parameter, a local, a global, a keyword and a host name the harness's own names would meet
     ("@triton.jit\ndef _k(x_ptr, _hwtune_pdl: tl.constexpr = True):\n    tl.store(x_ptr, 1.0)\n"),

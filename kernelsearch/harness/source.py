@@ -136,7 +136,8 @@ class KernelSource:
         if gdc_available():
             lines.append(_GDC_IMPORT)
             trigger = pdl_trigger()
-            nodes = [_with_grid_dependency_wait(fn, trigger) for fn in nodes]
+            helpers = _storing_helpers(nodes)
+            nodes = [_with_grid_dependency_wait(fn, trigger, helpers) for fn in nodes]
         body = ast.Module(body=[*self._globals, *nodes], type_ignores=[])
         return "\n".join(lines) + "\n\n" + ast.unparse(body) + "\n"
 
@@ -150,15 +151,18 @@ def gdc_available() -> bool:
     return True
 
 
-PDL_TRIGGERS = ("first", "after-wait", "none")
+PDL_TRIGGERS = ("first", "after-wait", "late", "none")
 
 
 def pdl_trigger() -> str:
     """Where a kernel lets the next one launch (HWTUNE_PDL_TRIGGER): "none", the default (no
     early trigger: the next kernel is placed as this one's programs exit, and its launch and
-    this one's memory flush overlap); "after-wait" (the next kernel's programs are placed while
-    this one runs); "first", before its own wait (placed while this one's predecessor may still
-    run). Measured on the H200 (BENCHMARKS.md 10e): an early trigger won 0.4% at batch 1 over
+    this one's memory flush overlap); "late", each program's trigger just before its first
+    top-level statement that stores (after its main loop, in the templates: the next kernel is
+    placed while this one's last programs write); "after-wait" (the next kernel's programs are
+    placed while this one runs); "first", before its own wait (placed while this one's
+    predecessor may still run). No placement lets the next kernel read or write anything
+    earlier: its own wait still comes first and waits for this grid to end. Measured on the H200 (BENCHMARKS.md 10e): an early trigger won 0.4% at batch 1 over
     "none" and lost 9% at batch 32 (the built-in decode step)."""
     value = os.environ.get("HWTUNE_PDL_TRIGGER", "none").strip() or "none"
     if value not in PDL_TRIGGERS:
@@ -170,7 +174,8 @@ def pdl_trigger() -> str:
     return value
 
 
-def _with_grid_dependency_wait(fn: ast.FunctionDef, trigger: str = "none") -> ast.FunctionDef:
+def _with_grid_dependency_wait(fn: ast.FunctionDef, trigger: str = "none",
+                               helpers: frozenset = frozenset()) -> ast.FunctionDef:
     """fn with a trailing `_hwtune_pdl: tl.constexpr = False` parameter and, before anything
     else, `if _hwtune_pdl: _hwtune_gdc_wait()` (with `_hwtune_gdc_launch()` before or after the
     wait, per `trigger`). The wait is the first thing every program does (unconditionally, when
@@ -188,11 +193,43 @@ def _with_grid_dependency_wait(fn: ast.FunctionDef, trigger: str = "none") -> as
     new.args.defaults.append(ast.Constant(False))
     call = lambda name: ast.Expr(ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=[], keywords=[]))
     body = {"first": [call("_hwtune_gdc_launch"), call("_hwtune_gdc_wait")],
-            "after-wait": [call("_hwtune_gdc_wait"), call("_hwtune_gdc_launch")],
-            "none": [call("_hwtune_gdc_wait")]}[trigger]
-    guard = ast.If(test=ast.Name(id=PDL_PARAM, ctx=ast.Load()), body=body, orelse=[])
-    new.body = [guard, *new.body]
+            "after-wait": [call("_hwtune_gdc_wait"), call("_hwtune_gdc_launch")]}.get(
+                trigger, [call("_hwtune_gdc_wait")])
+    guard = lambda calls: ast.If(test=ast.Name(id=PDL_PARAM, ctx=ast.Load()), body=calls, orelse=[])
+    rest = list(new.body)
+    if trigger == "late":
+        at = next((i for i, stmt in enumerate(rest) if _stores(stmt, helpers)), len(rest))
+        rest.insert(at, guard([call("_hwtune_gdc_launch")]))
+    new.body = [guard(body), *rest]
     return ast.fix_missing_locations(new)
+
+
+_STORES = {"store", "atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min", "atomic_or",
+           "atomic_xchg", "atomic_xor"}
+
+
+def _storing_helpers(fns) -> frozenset:
+    """The jit functions of a file that store, directly or through another one that does."""
+    found: set = set()
+    while True:
+        more = {fn.name for fn in fns if fn.name not in found
+                and any(_stores(stmt, frozenset(found)) for stmt in fn.body)}
+        if not more:
+            return frozenset(found)
+        found |= more
+
+
+def _stores(stmt, helpers: frozenset) -> bool:
+    """Whether stmt may store: a call named like a store or an atomic, or of one of the file's
+    jit functions that stores (`helpers`)."""
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr in _STORES:
+                return True
+            if isinstance(f, ast.Name) and (f.id in helpers or f.id in _STORES):
+                return True
+    return False
 
 
 def _is_literal(node) -> bool:
