@@ -26,11 +26,15 @@
 #                                        PDL and the verifier guards, the built-in rows (with tuned-nopdl)
 #   bench/issue13_gpu.sh I TABLE         on TABLE: the hf-llama rows, the built-in rows again and the
 #                                        gap breakdown
-#   bench/issue13_gpu.sh J TABLE         the GPU tests of PDL and the verifier guards, bench/pdl_probe.py
-#                                        (batch 1 with attention, batch 32), the built-in tuned rows
-#                                        with HWTUNE_PDL_TRIGGER none, then late
-#   bench/issue13_gpu.sh K TABLE         the hf-llama rows on TABLE, with a fresh inductor cache, then
-#                                        bench/harness_gpu.py --quick (hostile candidates on the GPU)
+#   bench/issue13_gpu.sh J TABLE         the GPU tests of PDL, early reads and the verifier guards,
+#                                        bench/pdl_probe.py (batch 1 with attention, batch 32), then
+#                                        TABLE less the three projection templates whose gemv now loads
+#                                        its first step early, those searched again: $OUT/dispatch.json
+#   bench/issue13_gpu.sh K TABLE         the built-in rows (tuned-nopdl, tuned) on TABLE with
+#                                        HWTUNE_PDL_EARLY / HWTUNE_PDL_TRIGGER 0/none, 1/none, 1/late,
+#                                        0/none again (the spread)
+#   bench/issue13_gpu.sh L TABLE         the hf-llama rows on TABLE with HWTUNE_PDL_EARLY=1 and a fresh
+#                                        inductor cache, then bench/harness_gpu.py --quick
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -176,24 +180,35 @@ I)
 J)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pdl.py tests/test_verifier_guards.py
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pdl.py tests/test_pdl_early.py \
+      tests/test_verifier_guards.py
   echo "gpu tests rc=$?"
-  timeout 240 python3 bench/pdl_probe.py --layers 8 --json "$OUT/pdl-probe.json"
+  timeout 200 python3 bench/pdl_probe.py --layers 8 --json "$OUT/pdl-probe.json"
   echo "pdl probe rc=$?"
-  n=0
-  for t in none late; do
-    n=$((n + 1))
-    HWTUNE_PDL_TRIGGER=$t timeout 110 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin \
-        --layers 8 --shapes 1x2048,32x2048 --variants tuned-nopdl,tuned --budget-s 100 --energy-window-s 0 \
-        --table "$table" --out "$OUT/b"
-    echo "trigger $t rc=$?"
-    cp "$OUT/b/results.json" "$OUT/b-$n-$t.json"; rm -rf "$OUT/b"
-  done ;;
+  seed_table "$table" linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu
+  timeout ${SEARCH_S:-200} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s ${BUDGET:-170} \
+      --evals ${EVALS:-20} --json "$OUT/search.json"
+  echo "projection search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json" ;;
 K)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  n=0
+  for cfg in 0:none 1:none 1:late 0:none; do
+    n=$((n + 1)); e=${cfg%%:*}; t=${cfg##*:}
+    HWTUNE_PDL_EARLY=$e HWTUNE_PDL_TRIGGER=$t timeout 130 python3 -m daemon.cli --read-only --state-dir $ST \
+        bench --model builtin --layers 8 --shapes 1x2048,32x2048 --variants tuned-nopdl,tuned --budget-s 120 \
+        --energy-window-s 0 --table "$table" --out "$OUT/b"
+    echo "early $e trigger $t rc=$?"
+    cp "$OUT/b/results.json" "$OUT/b-$n-early$e-$t.json"; rm -rf "$OUT/b"
+  done ;;
+L)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
   export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)   # a cold compile: what a new user's first run does
-  HF_S=${HF_S:-360} hf_rows "$table"; cat "$OUT/hf.log"; rm -f "$OUT/hf.log"
+  export HWTUNE_PDL_EARLY=1 HF_S=${HF_S:-330}
+  hf_rows "$table"; cat "$OUT/hf.log"; rm -f "$OUT/hf.log"
   OUT=$OUT timeout ${HARNESS_S:-200} python3 bench/harness_gpu.py --quick > "$OUT/harness-gpu.txt" 2>&1
   echo "harness_gpu rc=$?" ;;
 search)

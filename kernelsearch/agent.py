@@ -113,7 +113,11 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "literals, range/min/max/float/int; no other module, no dunder names, no lambda, "
              "no tl.inline_asm_elementwise, no name starting with _hwtune (the harness's). On "
              "sm_90+ the harness launches every kernel with programmatic dependent launch and "
-             "makes a wait for the previous kernel its first instruction: write none yourself.",
+             "makes a wait for the previous kernel its first instruction: write none yourself "
+             "(where the spec names static inputs, e.g. weights, a kernel whose first statements "
+             "only compute offsets and load those may have them run before the wait: load the "
+             "first weight tile at the top, before anything that reads an activation; this op's "
+             f"static inputs: {', '.join(getattr(spec, 'static_inputs', ())) or 'none'}).",
              "- every output element written on every call (outputs are poisoned with NaN, huge "
              "or random values), inputs untouched, nothing outside the buffers (canaries), "
              "deterministic, capturable in a CUDA graph; it is checked on one extra shape drawn "

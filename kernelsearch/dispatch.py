@@ -283,6 +283,10 @@ class TunedKernel:
             scalars={a["name"] for a in self.signature if a["kind"] == "scalar"},
             workspace_budget_bytes=max(1 << 30, 4 * sum(roles.values())))
         self.persistent: dict = {}   # (device, buffer id) -> zeroed tensor kept across calls
+        # the weights: what a kernel may read before the previous one ends (run_plan.bind, where
+        # early reads are on); only true inputs, never an inout
+        self.static = frozenset(n for n in getattr(spec, "static_inputs", ())
+                                if any(a["name"] == n and a.get("role") == "input" for a in self.signature))
 
     def accepts(self, args) -> bool:
         tensors = [a for a in self.signature if a["kind"] == "tensor" and a["role"] in ("input", "inout")]
@@ -310,7 +314,7 @@ class TunedKernel:
         for b in self.plan.buffers:
             if not b.persistent:
                 buffers[b.id] = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
-        bind(self.plan, self.kernels, buffers, scalars)()
+        bind(self.plan, self.kernels, buffers, scalars, static=self.static)()
 
     def persistent_buffers(self, device) -> dict:
         """{buffer id: zeroed tensor kept across calls} on `device` (allocated once)."""

@@ -21,8 +21,8 @@ import torch
 
 from kernelsearch.harness import plan as plan_mod
 from kernelsearch.harness import run_plan
-from kernelsearch.harness.source import (PDL_PARAM, KernelSource, SourceError, gdc_available, load_kernels,
-                                         private_dir)
+from kernelsearch.harness.source import (PDL_EARLY, PDL_PARAM, PDL_WAIT, KernelSource, SourceError, gdc_available,
+                                         load_kernels, private_dir)
 
 ROOT = Path(__file__).parents[1]
 CANDIDATES = Path(__file__).parent / "candidates"
@@ -33,6 +33,15 @@ needs_gdc = pytest.mark.skipif(not gdc_available(), reason="this triton has no g
 def _is_call(stmt, name: str) -> bool:
     return (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
             and isinstance(stmt.value.func, ast.Name) and stmt.value.func.id == name and not stmt.value.args)
+
+
+def _assert_only_assigns_and_loads(stmts):
+    for st in stmts:
+        for node in ast.walk(st):
+            assert not isinstance(node, (ast.For, ast.While, ast.AugAssign, ast.Return, ast.With))
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+                assert "store" not in name and "atomic" not in name and "asm" not in name, ast.unparse(node)
 
 
 @needs_gdc
@@ -48,8 +57,18 @@ def test_every_generated_kernel_waits_for_the_previous_grid_before_anything_else
         assert fn.args.args[-1].arg == PDL_PARAM and ast.unparse(fn.args.args[-1].annotation) == "tl.constexpr"
         assert ast.literal_eval(fn.args.defaults[-1]) is False     # off unless the launcher sets it
         first = fn.body[0]
-        assert isinstance(first, ast.If) and isinstance(first.test, ast.Name) and first.test.id == PDL_PARAM
         assert not first.orelse and len(first.body) == 1 and _is_call(first.body[0], "_hwtune_gdc_wait")
+        n_early = src.early.get(fn.name, (0,))[0]
+        if not n_early:
+            assert isinstance(first, ast.If) and isinstance(first.test, ast.Name) and first.test.id == PDL_PARAM
+        else:
+            # the early form: the wait first (flag True == 1), or after the prefix (flag 2), and
+            # the prefix between them only assigns and loads
+            assert ast.unparse(first.test) == f"{PDL_PARAM} == {PDL_WAIT}"
+            second = fn.body[1 + n_early]
+            assert ast.unparse(second.test) == f"{PDL_PARAM} == {PDL_EARLY}" and _is_call(second.body[0], "_hwtune_gdc_wait")
+            _assert_only_assigns_and_loads(fn.body[1:1 + n_early])
+            assert sum(ast.unparse(st).count("_hwtune_gdc_wait") for st in fn.body) == 2
         # the candidate's signature (what a plan may set) does not have it
         assert PDL_PARAM not in src.kernels[fn.name].params
     imports = [n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "triton.language.extra.cuda"]
@@ -82,7 +101,7 @@ def _guards(fn, name):
 def test_a_late_trigger_goes_before_the_first_statement_that_stores_and_the_wait_stays_first(monkeypatch):
     monkeypatch.setenv("HWTUNE_PDL_TRIGGER", "late")
     snippet = ("@triton.jit\ndef _put(p, v):\n    tl.store(p, v)\n\n\n"
-               "@triton.jit\ndef _k(x_ptr, n):\n    a = tl.load(x_ptr)\n    for i in range(n):\n        a += 1\n"
+               "@triton.jit\ndef _k(x_ptr, n):\n    a = 0.0\n    for i in range(n):\n        a += tl.load(x_ptr + i)\n"
                "    _put(x_ptr + 1, a)\n    tl.store(x_ptr, a)\n")
     base = "import triton\nimport triton.language as tl\n\n\ndef launch(x):\n    pass\n\n\n"
     fns = {n.name: n for n in ast.parse(KernelSource.parse(base + snippet).module_text()).body

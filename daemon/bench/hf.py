@@ -45,6 +45,7 @@ import torch
 
 from daemon.bench.model import ModelConfig
 from daemon.bench.run import decode_floor, energy_window, log, measure_copy_bandwidth_gbs, time_steps
+from kernelsearch.harness.run_plan import pdl_note
 
 MODEL = "hf-llama"
 VARIANTS = ("hf-eager", "hf-compiled", "hf-hwtune-unfused", "hf-hwtune", "hf-liger")
@@ -447,6 +448,7 @@ class HfBench:
                     report = patch(model, table, fused=HWTUNE[mode])
                     row["patch_report"] = report.lines()
                     row["patched"] = dict(report.patched)
+                    row["pdl"] = pdl_note()
                     key = f"{batch}x{ctx}" if mode == "hf-hwtune" else f"{batch}x{ctx} {mode}"
                     section["patch_reports"][key] = report.lines()
                     undo = lambda: unpatch(model)  # noqa: E731

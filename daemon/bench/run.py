@@ -32,7 +32,7 @@ from daemon.bench.model import PRESETS, Model
 from daemon.bench.ops import (DTYPE_NAMES, StockOps, TunedOps, cache_len, decode_shapes,
                               describe_fusions, describe_kernels, kernels_per_layer, rel_l2, time_in_graph_ms,
                               warm_up_for_capture)
-from kernelsearch.harness.run_plan import pdl
+from kernelsearch.harness.run_plan import pdl, pdl_note
 
 VARIANTS = ("eager", "graphed", "compile", "tuned", "tuned-unfused")
 # Asked for by name only (--variants), not run by default.
@@ -458,6 +458,8 @@ class Bench:
                                         ctx, ref, tol, fused=fused, name=variant)
             if not pdl_on and step[0] is not None:
                 step[2]["pdl"] = "off (HWTUNE_PDL=0 equivalent): the table's kernels launched plainly"
+            elif step[0] is not None:
+                step[2]["pdl"] = pdl_note()
             return step
         if variant == "compile":
             if not self.cuda:

@@ -49,6 +49,7 @@ from pathlib import Path
 MAX_SOURCE_BYTES = 512 * 1024
 RESERVED_PREFIX = "_hwtune"   # names the generated module adds (PDL_PARAM, the gdc aliases)
 PDL_PARAM = "_hwtune_pdl"
+EARLY_READS_ATTR = "_hwtune_early_reads"
 _GDC_IMPORT = ("from triton.language.extra.cuda import gdc_launch_dependents as _hwtune_gdc_launch, "
                "gdc_wait as _hwtune_gdc_wait")
 
@@ -123,6 +124,9 @@ class KernelSource:
     _nodes: list = field(default_factory=list, repr=False)     # jit FunctionDefs, checked
     _globals: list = field(default_factory=list, repr=False)   # constexpr literal assignments
     _imports: list = field(default_factory=list, repr=False)   # lines for the generated module
+    # kernel -> (statements in its early prefix, the parameters its loads there read through):
+    # kernels whose first statements load only through pointers (see early_prefix)
+    early: dict = field(default_factory=dict)
 
     @classmethod
     def parse(cls, text: str, filename: str = "<candidate>") -> "KernelSource":
@@ -137,7 +141,8 @@ class KernelSource:
             lines.append(_GDC_IMPORT)
             trigger = pdl_trigger()
             helpers = _storing_helpers(nodes)
-            nodes = [_with_grid_dependency_wait(fn, trigger, helpers) for fn in nodes]
+            nodes = [_with_grid_dependency_wait(fn, trigger, helpers, self.early.get(fn.name, (0,))[0])
+                     for fn in nodes]
         body = ast.Module(body=[*self._globals, *nodes], type_ignores=[])
         return "\n".join(lines) + "\n\n" + ast.unparse(body) + "\n"
 
@@ -175,7 +180,7 @@ def pdl_trigger() -> str:
 
 
 def _with_grid_dependency_wait(fn: ast.FunctionDef, trigger: str = "none",
-                               helpers: frozenset = frozenset()) -> ast.FunctionDef:
+                               helpers: frozenset = frozenset(), early: int = 0) -> ast.FunctionDef:
     """fn with a trailing `_hwtune_pdl: tl.constexpr = False` parameter and, before anything
     else, `if _hwtune_pdl: _hwtune_gdc_wait()` (with `_hwtune_gdc_launch()` before or after the
     wait, per `trigger`). The wait is the first thing every program does (unconditionally, when
@@ -195,13 +200,166 @@ def _with_grid_dependency_wait(fn: ast.FunctionDef, trigger: str = "none",
     body = {"first": [call("_hwtune_gdc_launch"), call("_hwtune_gdc_wait")],
             "after-wait": [call("_hwtune_gdc_wait"), call("_hwtune_gdc_launch")]}.get(
                 trigger, [call("_hwtune_gdc_wait")])
-    guard = lambda calls: ast.If(test=ast.Name(id=PDL_PARAM, ctx=ast.Load()), body=calls, orelse=[])
-    rest = list(new.body)
+    flag = lambda: ast.Name(id=PDL_PARAM, ctx=ast.Load())
+    guard = lambda calls, test=None: ast.If(test=test or flag(), body=calls, orelse=[])
+    equals = lambda v: ast.Compare(left=flag(), ops=[ast.Eq()], comparators=[ast.Constant(v)])
+    prefix, rest = list(new.body[:early]), list(new.body[early:])
     if trigger == "late":
         at = next((i for i, stmt in enumerate(rest) if _stores(stmt, helpers)), len(rest))
         rest.insert(at, guard([call("_hwtune_gdc_launch")]))
-    new.body = [guard(body), *rest]
+    if prefix:
+        # PDL_EARLY: the loads of the prefix (only through pointers the launcher vouches nothing
+        # right before this kernel writes) go out before the wait; any other flag: after it
+        new.body = [guard(body, equals(PDL_WAIT)), *prefix, guard(copy.deepcopy(body), equals(PDL_EARLY)), *rest]
+    else:
+        new.body = [guard(body), *rest]
     return ast.fix_missing_locations(new)
+
+
+PDL_WAIT, PDL_EARLY = 1, 2   # the flag's values: wait first (True == 1), wait after the early prefix
+# What an early prefix may call: tl functions that compute from their arguments (no memory, no
+# side effect), and tl.load.
+_EARLY_TL = {"program_id", "num_programs", "arange", "zeros", "full", "cdiv", "multiple_of",
+             "max_contiguous", "max_constancy", "maximum", "minimum", "where", "load"}
+_EARLY_LOAD_KW = {"mask", "other", "boundary_check", "padding_option", "cache_modifier", "eviction_policy",
+                  "volatile"}
+_TL_DTYPES = {"int1", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float8e4nv",
+              "float8e5", "float16", "bfloat16", "float32", "float64"}
+
+
+def early_prefix(fn: ast.FunctionDef, params, lang_aliases, triton_aliases, constexpr_globals,
+                 constexprs=()) -> tuple:
+    """(n, reads): fn's first n statements form its early prefix -- simple assignments to names
+    of expressions built from parameters, literals, constexpr globals, arithmetic, `[:, None]`
+    indexing, `.to(tl.<dtype>)`, the tl functions of _EARLY_TL and `min`/`max`, and `if`s on
+    constexpr parameters and literals alone whose branches are such assignments; nothing else
+    (no store, atomic, helper call, loop or runtime branch) -- and `reads` is the set of parameters that the
+    pointers of its tl.load calls (and their masks and `other`s) derive from: the only memory
+    the prefix can touch. Empty `reads`: no load, nothing to gain, no early form. The launcher
+    (run_plan.bind) runs the prefix before the grid-dependency wait only where every tensor among
+    `reads` is one its caller vouches the kernel before this one does not write."""
+    taint = {p: frozenset([p]) for p in params}
+    reads: set = set()
+
+    def tl_name(func):
+        dotted = _dotted(func)
+        if dotted is None:
+            return None
+        head, _, tail = dotted.rpartition(".")
+        if head in lang_aliases or (head.endswith(".language") and head.rpartition(".")[0] in triton_aliases
+                                    and "." not in head.rpartition(".")[0]):
+            return tail
+        return None
+
+    def expr(node):  # -> frozenset of parameters it derives from, or None (not allowed)
+        if isinstance(node, ast.Constant):
+            return frozenset() if isinstance(node.value, (int, float, bool, str, type(None))) else None
+        if isinstance(node, ast.Name):
+            if node.id in taint:
+                return taint[node.id]
+            return frozenset() if node.id in constexpr_globals else None
+        if isinstance(node, ast.BinOp):
+            return _union(expr(node.left), expr(node.right))
+        if isinstance(node, ast.UnaryOp):
+            return expr(node.operand)
+        if isinstance(node, ast.Compare):
+            return _union(expr(node.left), *[expr(c) for c in node.comparators])
+        if isinstance(node, ast.Subscript):
+            idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            plain = all((isinstance(i, ast.Constant) and i.value is None)
+                        or (isinstance(i, ast.Slice) and i.lower is None and i.upper is None and i.step is None)
+                        for i in idx)
+            return expr(node.value) if plain else None
+        if isinstance(node, ast.Attribute):
+            # tl.int64 and the like (never a pointer type: nothing in the prefix can make an
+            # integer into a pointer)
+            return frozenset() if node.attr in _TL_DTYPES and tl_name(node) == node.attr else None
+        if isinstance(node, ast.Call):
+            if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+                return None
+            parts = [expr(a) for a in node.args] + [expr(k.value) for k in node.keywords]
+            name = tl_name(node.func)
+            if name in _EARLY_TL:
+                if name == "load" and not all(k.arg in _EARLY_LOAD_KW for k in node.keywords):
+                    return None
+                got = _union(*parts)
+                if name == "load" and got is not None:
+                    loads.update(got)
+                return got
+            if isinstance(node.func, ast.Name) and node.func.id in ("min", "max") and not node.keywords:
+                return _union(*parts)
+            if isinstance(node.func, ast.Attribute) and node.func.attr == "to":
+                # x.to(tl.float32): a tl dtype, nothing else (no bitcast, no pointer type)
+                if len(node.args) != 1 or node.keywords or not (
+                        isinstance(node.args[0], ast.Attribute) and node.args[0].attr in _TL_DTYPES
+                        and tl_name(node.args[0]) == node.args[0].attr):
+                    return None
+                return expr(node.func.value)
+            return None
+        return None
+
+    def compile_time(node):  # a test Triton decides while compiling: constexpr params, literals
+        if isinstance(node, ast.Constant):
+            return True
+        if isinstance(node, ast.Name):
+            return node.id in constexprs and node.id not in assigned
+        if isinstance(node, ast.Compare):
+            return compile_time(node.left) and all(compile_time(c) for c in node.comparators)
+        if isinstance(node, ast.BoolOp):
+            return all(compile_time(v) for v in node.values)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return compile_time(node.operand)
+        return False
+
+    def block(stmts, env) -> dict | None:  # the names a list of assignments binds, or None
+        env = dict(env)
+        for stmt in stmts:
+            if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+                    and isinstance(stmt.targets[0], ast.Name)) or stmt.targets[0].id in reserved:
+                return None
+            saved = dict(taint)
+            taint.update(env)
+            got = expr(stmt.value)
+            taint.clear()
+            taint.update(saved)
+            if got is None:
+                return None
+            env[stmt.targets[0].id] = got
+        return env
+
+    reserved = set(lang_aliases) | set(triton_aliases) | {"min", "max"}   # never rebound in a prefix
+    n = 0
+    assigned: set = set()   # names bound in the prefix (a constexpr shadowed there is not one)
+    loads: set = set()      # the parameters the current statement's loads read through
+    for stmt in fn.body:
+        loads.clear()
+        if isinstance(stmt, ast.If) and compile_time(stmt.test):
+            # either branch may be the one compiled: both must be prefix statements; a name
+            # either binds carries what both derive from
+            then, other = block(stmt.body, {}), block(stmt.orelse, {})
+            if then is None or other is None:
+                break
+            for name in set(then) | set(other):
+                taint[name] = _union(then.get(name, frozenset()), other.get(name, frozenset()),
+                                     taint.get(name, frozenset()))
+            assigned.update(then, other)
+        else:
+            env = block([stmt], {})
+            if env is None:
+                break
+            taint.update(env)
+            assigned.update(env)
+        reads.update(loads)
+        n += 1
+    if not reads:
+        return 0, frozenset()
+    return n, frozenset(reads)
+
+
+def _union(*parts):
+    if any(p is None for p in parts):
+        return None
+    return frozenset().union(*parts)
 
 
 _STORES = {"store", "atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min", "atomic_or",
@@ -350,8 +508,17 @@ class _Checker:
         if self.problems:
             raise SourceError(self.problems)
         nodes = [self.normalised(fn) for fn in jit_defs]
+        early = {}
+        for fn in nodes:
+            try:
+                n, reads = early_prefix(fn, kernels[fn.name].params, self.lang_aliases, self.triton_aliases,
+                                        constexpr_globals, kernels[fn.name].constexprs)
+            except RecursionError:   # an expression nested past Python's limit: no early prefix
+                n, reads = 0, frozenset()
+            if reads:
+                early[fn.name] = (n, reads)
         return KernelSource(self.text, hashlib.sha256(self.text.encode()).hexdigest(), kernels,
-                            configs, space, has_launch, nodes, glob_nodes, self.imports)
+                            configs, space, has_launch, nodes, glob_nodes, self.imports, early)
 
     def top_import(self, node) -> None:
         if isinstance(node, ast.Import):
@@ -776,7 +943,11 @@ def load_kernels(source: KernelSource, directory: Path) -> dict:
         exec(code, module.__dict__)
         module.__dict__["__builtins__"] = dict(_RESTRICTED_BUILTINS)
         module._hwtune_sha = source.sha256
-    return {k: getattr(module, k) for k in source.kernels}
+    kernels = {k: getattr(module, k) for k in source.kernels}
+    for name, (_n, reads) in source.early.items():
+        # what run_plan.bind checks before it lets the kernel's prefix run before its wait
+        setattr(kernels[name], EARLY_READS_ATTR, frozenset(reads))
+    return kernels
 
 
 def _import_triton_only(name, globals=None, locals=None, fromlist=(), level=0):
@@ -786,4 +957,4 @@ def _import_triton_only(name, globals=None, locals=None, fromlist=(), level=0):
 
 
 __all__ = ["KernelSource", "KernelDef", "SourceError", "gdc_available", "load_kernels", "private_dir",
-           "PDL_PARAM"]
+           "PDL_PARAM", "PDL_WAIT", "PDL_EARLY", "EARLY_READS_ATTR", "early_prefix"]

@@ -18,6 +18,7 @@ class AddRmsNormSpec(KernelSpec):
     name = "add_rmsnorm"
     arg_names = ("x", "residual", "weight", "eps")
     out_names = ("out", "residual_out")
+    static_inputs = ("weight",)
     stock_name = "x + residual, then torch.nn.functional.rms_norm"
 
     def shapes(self, device: str) -> list[dict]:

@@ -78,6 +78,10 @@ class KernelSpec:
     # draws them like inputs; `written(inputs)` says which rows the op writes; reference()
     # gives those rows' fp64 values; every other byte must keep its input value.
     inout_names: tuple[str, ...] = ()
+    # Inputs that nothing writes where the op runs in a decode step (model weights): a kernel
+    # may load them before the previous kernel has ended, where the caller allows early reads
+    # (harness/run_plan.py; off unless HWTUNE_PDL_EARLY=1). Never an inout or an activation.
+    static_inputs: tuple[str, ...] = ()
     # first entry is the primary dtype on that device
     dtypes: dict[str, tuple[str, ...]] = {"cpu": ("float32", "bfloat16"),
                                           "cuda": ("bfloat16", "float16", "float32")}

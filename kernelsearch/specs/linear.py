@@ -22,6 +22,7 @@ class LinearSpec(KernelSpec):
     name = "linear"
     arg_names = ("x", "weight")
     out_names = ("out",)
+    static_inputs = ("weight",)
     stock_name = "torch.nn.functional.linear (cuBLAS)"
 
     def shapes(self, device: str) -> list[dict]:

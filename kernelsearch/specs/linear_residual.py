@@ -21,6 +21,7 @@ class LinearResidualSpec(KernelSpec):
     name = "linear_residual"
     arg_names = ("x", "weight", "residual")
     out_names = ("out",)
+    static_inputs = ("weight",)
     stock_name = "residual + torch.nn.functional.linear (cuBLAS)"
 
     def shapes(self, device: str) -> list[dict]:

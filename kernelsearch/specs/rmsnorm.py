@@ -27,6 +27,7 @@ class RmsNormSpec(KernelSpec):
     name = "rmsnorm"
     arg_names = ("x", "weight", "eps")
     out_names = ("out",)
+    static_inputs = ("weight",)
     stock_name = "torch.nn.functional.rms_norm"
 
     def shapes(self, device: str) -> list[dict]:

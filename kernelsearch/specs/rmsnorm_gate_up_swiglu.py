@@ -25,6 +25,7 @@ class RmsNormGateUpSwigluSpec(KernelSpec):
     name = "rmsnorm_gate_up_swiglu"
     arg_names = ("x", "norm_weight", "weight", "eps")
     out_names = ("out",)
+    static_inputs = ("norm_weight", "weight")
     stock_name = "torch.nn.functional.rms_norm, F.linear (cuBLAS) on gate|up, then F.silu(gate) * up"
     scalar_ranges = {"eps": (1e-6, 1e-2)}
 

@@ -25,6 +25,7 @@ class RmsNormLinearSpec(KernelSpec):
     name = "rmsnorm_linear"
     arg_names = ("x", "norm_weight", "weight", "eps")
     out_names = ("out",)
+    static_inputs = ("norm_weight", "weight")
     stock_name = "torch.nn.functional.rms_norm, then torch.nn.functional.linear (cuBLAS)"
     scalar_ranges = {"eps": (1e-6, 1e-2)}
 
