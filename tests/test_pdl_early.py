@@ -367,3 +367,39 @@ def test_gpu_an_early_prefix_reads_the_weight_before_the_wait_and_x_after_it():
                                        **{PDL_PARAM: PDL_EARLY})
     stale = [bool(torch.isnan(run(control)).any()) for _ in range(3)]
     assert any(stale), "the control never read a stale x: this test could not catch an early read of x"
+
+
+@pytest.mark.parametrize("kernel, pointers", [("linear_residual", {"w_ptr"}),
+                                              ("rmsnorm_linear", {"g_ptr", "w_ptr"}),
+                                              ("rmsnorm_gate_up_swiglu", {"nw_ptr", "w_ptr"})])
+def test_the_projection_templates_gemv_plans_are_granted_early_reads_of_their_weights(kernel, pointers):
+    """The templates' gemv prefixes load only weight pointers, and the plan their launch()
+    makes (validated as the dispatch runtime validates it) binds those to the spec's static
+    inputs: the launcher grants the early form. A reordered template that loses it fails here,
+    not silently in the step."""
+    import importlib
+
+    from kernelsearch.harness.verify import make_plan
+    from kernelsearch.kernels import template_path
+    from kernelsearch.specs import SPECS
+
+    spec, path = SPECS[kernel], template_path(kernel)
+    src = KernelSource.parse(Path(path).read_text())
+    reads = src.early["_gemv_kernel"][1]
+    assert {r for r in reads if r.endswith("_ptr")} == pointers
+    params = next(p for p in importlib.import_module(f"kernelsearch.kernels.{kernel}").CONFIGS
+                  if p["variant"] == "gemv" and p.get("SPLIT_K", 1) == 1)
+    shape = {"M": 1, "K": 256, "N": 64} if kernel != "rmsnorm_gate_up_swiglu" else {"M": 1, "K": 256, "I": 64}
+    sig = spec.signature(shape, "float32")
+    plan = plan_mod.validate(
+        make_plan(kernel, path, shape, "float32", params, "cpu"), kernels=src.kernels,
+        roles={a["name"]: plan_mod.DTYPE_SIZES[a["dtype"]] * max(1, int(torch.tensor(a["shape"]).prod()))
+               for a in sig if a["kind"] == "tensor"},
+        inputs={a["name"] for a in sig if a.get("role") == "input"},
+        inouts={a["name"] for a in sig if a.get("role") == "inout"},
+        scalars={a["name"] for a in sig if a["kind"] == "scalar"}, workspace_budget_bytes=1 << 30)
+    step = next(st for st in plan.steps if getattr(st, "kernel", None) == "_gemv_kernel")
+    fn = _fake_kernel(reads)
+    with run_plan.early_reads(True):
+        assert run_plan._reads_early(step, fn, frozenset(spec.static_inputs), set())
+        assert not run_plan._reads_early(step, fn, frozenset(["x"]), set())   # x is no weight

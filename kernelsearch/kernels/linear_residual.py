@@ -21,7 +21,8 @@ the epilogue costs M x N reads of the residual and nothing else: at decode the w
   kernel, before anything reads x, and the K loop starts one step later: the early prefix the
   launcher may run before the wait for the kernel ahead (harness/run_plan.py, off unless
   HWTUNE_PDL_EARLY=1), so the first weight bytes are in flight while that kernel ends. The
-  products are summed in the same order as before (bit-identical results).
+  products are summed in the same order as before (the same sums, up to the sign of an exact
+  zero: the accumulators start from the first product, not from +0).
 - "swapab" (decode, batch 9-64): "splitk" with the weight tile as tl.dot's left operand (wgmma
   on sm_90); see "Batch 32, swapped" below.
 - "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16;
@@ -218,7 +219,8 @@ def _gemv_kernel(x_ptr, w_ptr, r_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, split_ste
     if EVEN_K:
         w_first = tl.load(w_ptrs, eviction_policy="evict_first")
     else:
-        w_first = tl.load(w_ptrs, mask=((k_lo + rk) < k_hi)[None, :], other=0.0, eviction_policy="evict_first")
+        w_first = tl.load(w_ptrs, mask=((k_lo + rk) < k_hi)[None, :], other=0.0,
+                          eviction_policy="evict_first")
     if BLOCK_M == 1:
         x_ptrs = x_ptr + pid_m.to(tl.int64) * s_xm + (k_lo + rk) * s_xk
         if EVEN_K:

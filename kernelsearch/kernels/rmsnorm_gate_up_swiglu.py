@@ -38,7 +38,8 @@ Variants:
   the top of the kernel, before anything reads x, and the K loop starts one step later: the
   early prefix the launcher may run before the wait for the kernel ahead (harness/run_plan.py,
   off unless HWTUNE_PDL_EARLY=1), so the first weight bytes are in flight while that kernel
-  ends. The products are summed in the same order as before (bit-identical results).
+  ends. The products are summed in the same order as before (the same sums, up to the sign of
+  an exact zero: the accumulators start from the first product, not from +0).
 - "splitk" (batch 9-64): two tl.dots (gate, up) on the normed x tile, all rows of the batch
   in one program (padded to at least 16, BLOCK_M >= 32) so that the weight is streamed once.
   The normed x goes to the dot in the weight's dtype (bf16 on the GPU, as the stock path's
@@ -232,8 +233,10 @@ def _gemv_kernel(x_ptr, nw_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, I, K, 
         wu_first = tl.load(wu_ptrs, eviction_policy="evict_first")
         nw_first = tl.load(nw_ptrs)
     else:
-        wg_first = tl.load(wg_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0, eviction_policy="evict_first")
-        wu_first = tl.load(wu_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0, eviction_policy="evict_first")
+        wg_first = tl.load(wg_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0,
+                           eviction_policy="evict_first")
+        wu_first = tl.load(wu_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0,
+                           eviction_policy="evict_first")
         nw_first = tl.load(nw_ptrs, mask=(k_lo + rk) < K, other=0.0)
     # The first step's products and squares (x is the previous kernel's output: after the wait)
     if BLOCK_M == 1:

@@ -22,11 +22,12 @@ dominates (N x K against M x K + K), and the fused norm costs a few FMAs a loade
   still taken from the x tile each step reads (now from shared memory): no extra load. PIPE=0
   gives the tl.range num_stages=1: the PTX of the plain range loop before PIPE existed (every
   gemv config compared for sm_90, less line numbers).
-  The first K step of each split (its weight tile and the norm_weight step) is loaded at the top of the gemv
-  kernel, before anything reads x, and the K loop starts one step later: the early prefix the
-  launcher may run before the wait for the kernel ahead (harness/run_plan.py, off unless
-  HWTUNE_PDL_EARLY=1), so the first weight bytes are in flight while that kernel ends. The
-  products are summed in the same order as before (bit-identical results).
+  The first K step of each split (its weight tile and the norm_weight step) is loaded at the
+  top of the gemv kernel, before anything reads x, and the K loop starts one step later: the
+  early prefix the launcher may run before the wait for the kernel ahead (harness/run_plan.py,
+  off unless HWTUNE_PDL_EARLY=1), so the first weight bytes are in flight while that kernel
+  ends. The products are summed in the same order as before (the same sums, up to the sign of
+  an exact zero: the accumulators start from the first product, not from +0).
 - "swapab" (decode, batch 9-64): "splitk" with the weight tile as tl.dot's left operand (wgmma
   on sm_90); see "Batch 32, swapped" below.
 - "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16; all
@@ -237,7 +238,8 @@ def _gemv_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K, s
         w_first = tl.load(w_ptrs, eviction_policy="evict_first")
         g_first = tl.load(g_ptrs)
     else:
-        w_first = tl.load(w_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0, eviction_policy="evict_first")
+        w_first = tl.load(w_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0,
+                          eviction_policy="evict_first")
         g_first = tl.load(g_ptrs, mask=(k_lo + rk) < K, other=0.0)
     # The first step's products and squares (x is the previous kernel's output: after the wait)
     if BLOCK_M == 1:
