@@ -30,9 +30,11 @@
 #                                        bench/pdl_probe.py (batch 1 with attention, batch 32), then
 #                                        TABLE less the three projection templates whose gemv now loads
 #                                        its first step early, those searched again: $OUT/dispatch.json
-#   bench/issue13_gpu.sh K TABLE         the built-in rows (tuned-nopdl, tuned) on TABLE with
-#                                        HWTUNE_PDL_EARLY / HWTUNE_PDL_TRIGGER 0/none, 1/none, 1/late,
-#                                        0/none again (the spread)
+#   bench/issue13_gpu.sh K TABLE         the built-in rows (tuned-unfused, tuned-nopdl, tuned) on TABLE
+#                                        with HWTUNE_PDL_EARLY / HWTUNE_PDL_TRIGGER 0/none, 1/none,
+#                                        1/late, 0/none again (the spread); tuned-unfused in the early-0
+#                                        rows runs templates the change left as they were: the same-run
+#                                        yardstick for tuned / tuned-unfused against run 10's
 #   bench/issue13_gpu.sh L TABLE         the hf-llama rows on TABLE with HWTUNE_PDL_EARLY=1 and a fresh
 #                                        inductor cache, then bench/harness_gpu.py --quick
 # Writes at most 8 files under $OUT.
@@ -198,7 +200,8 @@ K)
   for cfg in 0:none 1:none 1:late 0:none; do
     n=$((n + 1)); e=${cfg%%:*}; t=${cfg##*:}
     HWTUNE_PDL_EARLY=$e HWTUNE_PDL_TRIGGER=$t timeout 130 python3 -m daemon.cli --read-only --state-dir $ST \
-        bench --model builtin --layers 8 --shapes 1x2048,32x2048 --variants tuned-nopdl,tuned --budget-s 120 \
+        bench --model builtin --layers 8 --shapes 1x2048,32x2048 --variants tuned-unfused,tuned-nopdl,tuned \
+        --budget-s 120 \
         --energy-window-s 0 --table "$table" --out "$OUT/b"
     echo "early $e trigger $t rc=$?"
     cp "$OUT/b/results.json" "$OUT/b-$n-early$e-$t.json"; rm -rf "$OUT/b"
