@@ -5,8 +5,8 @@ it may still be writing.
 CPU: which leading statements form the early prefix and what they read (source.early_prefix),
 hostile prefixes that try to read an activation or make a pointer from an integer, the
 generated module's two waits, the launcher's decision (run_plan.bind), and the sm_90 PTX of the
-linear_residual GEMV (its first weight load before `griddepcontrol.wait` only with the early
-flag). GPU (sm_90+): a producer writes x late; a kernel whose prefix loads only the weight, bound
+linear_residual GEMV (its first weight step's L2 fetch before `griddepcontrol.wait` only with
+the early flag). GPU (sm_90+): a producer writes x late; a kernel whose prefix loads only the weight, bound
 with the weight static, reads x after the producer is done; the same kernel shape with x loaded
 in its prefix is never launched early by bind, and launched early by hand reads stale values
 (the control).
@@ -267,17 +267,18 @@ for flag in (True, 2):
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
     ptx = k.asm["ptx"]
     wait = ptx.find("griddepcontrol.wait")
-    loads = [m.start() for m in re.finditer(r"ld\.global", ptx)]
+    loads = [m.start() for m in re.finditer(r"ld\.(?:volatile\.)?global", ptx)]
     out[str(flag)] = {"waits": ptx.count("griddepcontrol.wait"),
-                      "weight_loads_before_wait": sum(1 for m in re.finditer(r"ld\.global[^;]*evict_first", ptx)
+                      "weight_loads_before_wait": sum(1 for m in re.finditer(r"ld\.volatile\.global\.v4", ptx)
                                                        if m.start() < wait),
-                      "loads_before_wait": sum(1 for p in loads if p < wait)}
+                      "loads_before_wait": sum(1 for p in loads if p < wait),
+                      "volatile_loads": len(re.findall(r"ld\.volatile\.global", ptx))}
 print(json.dumps(out))
 """
 
 
 @needs_gdc
-def test_the_sm90_ptx_loads_the_first_weight_tile_before_the_wait_only_with_the_early_flag():
+def test_the_sm90_ptx_fetches_the_first_weight_step_before_the_wait_only_with_the_early_flag():
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT))
@@ -286,8 +287,11 @@ def test_the_sm90_ptx_loads_the_first_weight_tile_before_the_wait_only_with_the_
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["True"]["waits"] == 1 and got["True"]["loads_before_wait"] == 0, got
-    assert got["2"]["waits"] == 1 and got["2"]["weight_loads_before_wait"] >= 1, got
-    assert got["2"]["loads_before_wait"] == got["2"]["weight_loads_before_wait"], got   # nothing else early
+    # the first step's 16-byte volatile loads (8 x 512 bf16 over 128 threads: 4 a thread), kept
+    # by the compiler though their values are dropped, and nothing else, before the wait
+    assert got["2"]["waits"] == 1 and got["2"]["weight_loads_before_wait"] == 4, got
+    assert got["2"]["loads_before_wait"] == got["2"]["weight_loads_before_wait"], got
+    assert got["True"]["volatile_loads"] == got["2"]["volatile_loads"] == 4, got
 
 
 # --- GPU --------------------------------------------------------------------------------------
@@ -370,8 +374,8 @@ def test_gpu_an_early_prefix_reads_the_weight_before_the_wait_and_x_after_it():
 
 
 @pytest.mark.parametrize("kernel, pointers", [("linear_residual", {"w_ptr"}),
-                                              ("rmsnorm_linear", {"g_ptr", "w_ptr"}),
-                                              ("rmsnorm_gate_up_swiglu", {"nw_ptr", "w_ptr"})])
+                                              ("rmsnorm_linear", {"w_ptr"}),
+                                              ("rmsnorm_gate_up_swiglu", {"w_ptr"})])
 def test_the_projection_templates_gemv_plans_are_granted_early_reads_of_their_weights(kernel, pointers):
     """The templates' gemv prefixes load only weight pointers, and the plan their launch()
     makes (validated as the dispatch runtime validates it) binds those to the spec's static

@@ -17,12 +17,13 @@ the epilogue costs M x N reads of the residual and nothing else: at decode the w
   so each program has twice the weight bytes in flight for the same accumulator registers;
   the steps that do not fill a whole UNROLL group (the end of K) run one at a time, masked
   only when K is not a multiple of BLOCK_K.
-  The first K step of each split (its weight tile) is loaded at the top of the gemv
-  kernel, before anything reads x, and the K loop starts one step later: the early prefix the
-  launcher may run before the wait for the kernel ahead (harness/run_plan.py, off unless
-  HWTUNE_PDL_EARLY=1), so the first weight bytes are in flight while that kernel ends. The
-  products are summed in the same order as before (the same sums, up to the sign of an exact
-  zero: the accumulators start from the first product, not from +0).
+  Early reads: the split's first weight step is also loaded at the very top of the kernel,
+  into values that are dropped (volatile loads, so the compiler keeps them): where the launcher
+  allows early reads (harness/run_plan.py, off unless HWTUNE_PDL_EARLY=1) these loads run before
+  the wait for the kernel ahead (harness/source.py early_prefix) and bring that step into L2
+  while the kernel ahead ends; the loop then reads it from L2. The loop and its registers are
+  the same as without them (a copy of the first step kept in registers instead cost 12-18
+  registers a thread in the pipelined configs, sm_90 ptxas).
 - "swapab" (decode, batch 9-64): "splitk" with the weight tile as tl.dot's left operand (wgmma
   on sm_90); see "Batch 32, swapped" below.
 - "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16;
@@ -208,42 +209,26 @@ def _gemv_kernel(x_ptr, w_ptr, r_ptr, ws_ptr, c_ptr, cnt_ptr, M, N, K, split_ste
     k_per_split = split_steps * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = min(k_lo + k_per_split, K)
+    # Whole groups of UNROLL steps lie inside [k_lo, k_hi), hence inside K: never masked.
+    k_main = k_lo + ((k_hi - k_lo) // (UNROLL * BLOCK_K)) * (UNROLL * BLOCK_K)
     # Features past N re-read valid rows (wrap) so that weight loads stay unmasked along N;
     # only the residual loads and the stores are masked. Same for rows of x past M.
     w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
-    # The split's first weight step, loaded before anything else: where the launcher allows
-    # early reads (the weight is a static input, harness/run_plan.py) these statements run
-    # before the wait for the kernel ahead (harness/source.py early_prefix), so the first weight
-    # bytes are in flight while it ends. Every split has at least one step (splits =
-    # cdiv(K, k_per_split)); with EVEN_K it is whole, else masked at the split's end.
+    # Early reads (see the docstring): the split's first weight step into L2, values dropped.
+    # Every split has at least one step (splits = cdiv(K, k_per_split)); with EVEN_K it is whole.
     if EVEN_K:
-        w_first = tl.load(w_ptrs, eviction_policy="evict_first")
+        w_l2 = tl.load(w_ptrs, volatile=True)
     else:
-        w_first = tl.load(w_ptrs, mask=((k_lo + rk) < k_hi)[None, :], other=0.0,
-                          eviction_policy="evict_first")
+        w_l2 = tl.load(w_ptrs, mask=((k_lo + rk) < k_hi)[None, :], other=0.0, volatile=True)
     if BLOCK_M == 1:
         x_ptrs = x_ptr + pid_m.to(tl.int64) * s_xm + (k_lo + rk) * s_xk
-        if EVEN_K:
-            x_first = tl.load(x_ptrs)
-        else:
-            x_first = tl.load(x_ptrs, mask=(k_lo + rk) < k_hi, other=0.0)
-        acc2 = w_first.to(tl.float32) * x_first.to(tl.float32)[None, :]
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
-        if EVEN_K:
-            x_first = tl.load(x_ptrs)
-        else:
-            x_first = tl.load(x_ptrs, mask=((k_lo + rk) < k_hi)[None, :], other=0.0)
-        acc3 = x_first.to(tl.float32)[:, None, :] * w_first.to(tl.float32)[None, :, :]
-    w_ptrs += BLOCK_K * s_wk
-    x_ptrs += BLOCK_K * s_xk
-    # Then whole groups of UNROLL steps inside [k_lo + BLOCK_K, k_hi), hence inside K: never
-    # masked.
-    k_next = k_lo + BLOCK_K
-    k_main = k_next + (max(k_hi - k_next, 0) // (UNROLL * BLOCK_K)) * (UNROLL * BLOCK_K)
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     # LOOP_STAGES > 1: the compiler pipelines this loop (cp.async into LOOP_STAGES - 1 shared
     # memory buffers ahead); 1: plain register loads, issued together, waited for each step.
-    for k in tl.range(k_next, k_main, UNROLL * BLOCK_K, num_stages=LOOP_STAGES):
+    for k in tl.range(k_lo, k_main, UNROLL * BLOCK_K, num_stages=LOOP_STAGES):
         # Each weight byte is read once: evict_first keeps x (re-read by every program) in L2.
         if UNROLL == 2:
             # Both tiles' loads issued before either multiply: twice the bytes in flight.

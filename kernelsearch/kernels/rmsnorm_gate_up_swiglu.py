@@ -34,12 +34,13 @@ Variants:
   (the weight's 16-byte, under an L2 evict_first policy); the sum of squares is still taken from
   the x tile the step multiplies. PIPE=0 compiles to the code of a plain range loop (the test
   compares the PTX).
-  The first K step of each split (its gate and up tiles and the norm_weight step) is loaded at
-  the top of the kernel, before anything reads x, and the K loop starts one step later: the
-  early prefix the launcher may run before the wait for the kernel ahead (harness/run_plan.py,
-  off unless HWTUNE_PDL_EARLY=1), so the first weight bytes are in flight while that kernel
-  ends. The products are summed in the same order as before (the same sums, up to the sign of
-  an exact zero: the accumulators start from the first product, not from +0).
+  Early reads: the split's first gate and up steps are also loaded at the very top of the
+  kernel, into values that are dropped (volatile loads, so the compiler keeps them): where the
+  launcher allows early reads (harness/run_plan.py, off unless HWTUNE_PDL_EARLY=1) these loads
+  run before the wait for the kernel ahead (harness/source.py early_prefix) and bring those steps
+  into L2 while the kernel ahead ends; the loop then reads them from L2. The loop and its registers are
+  the same as without them (a copy of the first step kept in registers instead cost 12-18
+  registers a thread in the pipelined configs, sm_90 ptxas).
 - "splitk" (batch 9-64): two tl.dots (gate, up) on the normed x tile, all rows of the batch
   in one program (padded to at least 16, BLOCK_M >= 32) so that the weight is streamed once.
   The normed x goes to the dot in the weight's dtype (bf16 on the GPU, as the stock path's
@@ -223,50 +224,29 @@ def _gemv_kernel(x_ptr, nw_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, I, K, 
     wg_ptrs = w_ptr + g_rows[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
     wu_ptrs = w_ptr + (g_rows + I)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
     nw_ptrs = nw_ptr + (k_lo + rk) * s_nk
-    # The split's first gate, up and norm_weight steps, loaded before anything else: where the
-    # launcher allows early reads (all static inputs, harness/run_plan.py) these statements run
-    # before the wait for the kernel ahead (harness/source.py early_prefix), so the first weight
-    # bytes are in flight while it ends. Every split has at least one step (splits =
-    # cdiv(K, k_per_split)); only the last one may end inside a step (masked at K).
+    # Early reads (see the docstring): the split's first gate and up steps into L2, values
+    # dropped. Every split has at least one step (splits = cdiv(K, k_per_split)); with EVEN_K it
+    # is whole.
     if EVEN_K:
-        wg_first = tl.load(wg_ptrs, eviction_policy="evict_first")
-        wu_first = tl.load(wu_ptrs, eviction_policy="evict_first")
-        nw_first = tl.load(nw_ptrs)
+        wg_l2 = tl.load(wg_ptrs, volatile=True)
+        wu_l2 = tl.load(wu_ptrs, volatile=True)
     else:
-        wg_first = tl.load(wg_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0,
-                           eviction_policy="evict_first")
-        wu_first = tl.load(wu_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0,
-                           eviction_policy="evict_first")
-        nw_first = tl.load(nw_ptrs, mask=(k_lo + rk) < K, other=0.0)
-    # The first step's products and squares (x is the previous kernel's output: after the wait)
+        wg_l2 = tl.load(wg_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0, volatile=True)
+        wu_l2 = tl.load(wu_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0, volatile=True)
     if BLOCK_M == 1:
         x_ptrs = x_ptr + pid_m.to(tl.int64) * s_xm + (k_lo + rk) * s_xk
-        if EVEN_K:
-            xf = tl.load(x_ptrs).to(tl.float32)
-        else:
-            xf = tl.load(x_ptrs, mask=(k_lo + rk) < K, other=0.0).to(tl.float32)
-        sq = xf * xf
-        xn = xf * nw_first.to(tl.float32)
-        acc_g = wg_first.to(tl.float32) * xn[None, :]
-        acc_u = wu_first.to(tl.float32) * xn[None, :]
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     else:
         x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
-        if EVEN_K:
-            xf = tl.load(x_ptrs).to(tl.float32)
-        else:
-            xf = tl.load(x_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0).to(tl.float32)
-        sq = xf * xf
-        xn = (xf * nw_first.to(tl.float32)[None, :])[:, None, :]
-        acc3_g = xn * wg_first.to(tl.float32)[None, :, :]
-        acc3_u = xn * wu_first.to(tl.float32)[None, :, :]
-    wg_ptrs += BLOCK_K * s_wk
-    wu_ptrs += BLOCK_K * s_wk
-    nw_ptrs += BLOCK_K * s_nk
-    x_ptrs += BLOCK_K * s_xk
+        acc3_g = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     # LOOP_STAGES > 1: the compiler pipelines this loop (cp.async of the weight, x and norm_weight
     # tiles into LOOP_STAGES - 1 shared-memory buffers ahead); 1: plain register loads, issued
     # together, waited for each step (the code of a plain range loop).
-    for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         # Each weight byte is read once: evict_first keeps x (re-read by every program) in L2.
         if EVEN_K:
             wg = tl.load(wg_ptrs, eviction_policy="evict_first")

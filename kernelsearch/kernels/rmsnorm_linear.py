@@ -22,12 +22,13 @@ dominates (N x K against M x K + K), and the fused norm costs a few FMAs a loade
   still taken from the x tile each step reads (now from shared memory): no extra load. PIPE=0
   gives the tl.range num_stages=1: the PTX of the plain range loop before PIPE existed (every
   gemv config compared for sm_90, less line numbers).
-  The first K step of each split (its weight tile and the norm_weight step) is loaded at the
-  top of the gemv kernel, before anything reads x, and the K loop starts one step later: the
-  early prefix the launcher may run before the wait for the kernel ahead (harness/run_plan.py,
-  off unless HWTUNE_PDL_EARLY=1), so the first weight bytes are in flight while that kernel
-  ends. The products are summed in the same order as before (the same sums, up to the sign of
-  an exact zero: the accumulators start from the first product, not from +0).
+  Early reads: the split's first weight step is also loaded at the very top of the kernel,
+  into values that are dropped (volatile loads, so the compiler keeps them): where the launcher
+  allows early reads (harness/run_plan.py, off unless HWTUNE_PDL_EARLY=1) these loads run before
+  the wait for the kernel ahead (harness/source.py early_prefix) and bring that step into L2
+  while the kernel ahead ends; the loop then reads it from L2. The loop and its registers are
+  the same as without them (a copy of the first step kept in registers instead cost 12-18
+  registers a thread in the pipelined configs, sm_90 ptxas).
 - "swapab" (decode, batch 9-64): "splitk" with the weight tile as tl.dot's left operand (wgmma
   on sm_90); see "Batch 32, swapped" below.
 - "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16; all
@@ -229,42 +230,24 @@ def _gemv_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K, s
     # only the stores are masked. Same for rows of x past M.
     w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
     g_ptrs = g_ptr + (k_lo + rk) * s_gk
-    # The split's first weight and norm_weight steps, loaded before anything else: where the
-    # launcher allows early reads (both are static inputs, harness/run_plan.py) these statements
-    # run before the wait for the kernel ahead (harness/source.py early_prefix), so the first
-    # weight bytes are in flight while it ends. Every split has at least one step (splits =
-    # cdiv(K, k_per_split)); only the last one may end inside a step (masked at K).
+    # Early reads (see the docstring): the split's first weight step into L2, values dropped.
+    # Every split has at least one step (splits = cdiv(K, k_per_split)); with EVEN_K it is whole.
     if EVEN_K:
-        w_first = tl.load(w_ptrs, eviction_policy="evict_first")
-        g_first = tl.load(g_ptrs)
+        w_l2 = tl.load(w_ptrs, volatile=True)
     else:
-        w_first = tl.load(w_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0,
-                          eviction_policy="evict_first")
-        g_first = tl.load(g_ptrs, mask=(k_lo + rk) < K, other=0.0)
-    # The first step's products and squares (x is the previous kernel's output: after the wait)
+        w_l2 = tl.load(w_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0, volatile=True)
     if BLOCK_M == 1:
         x_ptrs = x_ptr + pid_m.to(tl.int64) * s_xm + (k_lo + rk) * s_xk
-        if EVEN_K:
-            x = tl.load(x_ptrs).to(tl.float32)
-        else:
-            x = tl.load(x_ptrs, mask=(k_lo + rk) < K, other=0.0).to(tl.float32)
-        sq1 = tl.sum(tl.reshape(x * x, [BLOCK_K // SQ_R, SQ_R]), axis=1)
-        acc2 = w_first.to(tl.float32) * (x * g_first.to(tl.float32))[None, :]
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq1 = tl.zeros([BLOCK_K // SQ_R], dtype=tl.float32)
     else:
         x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
-        if EVEN_K:
-            x = tl.load(x_ptrs).to(tl.float32)
-        else:
-            x = tl.load(x_ptrs, mask=((k_lo + rk) < K)[None, :], other=0.0).to(tl.float32)
-        sq2 = x * x
-        acc3 = (x * g_first.to(tl.float32)[None, :])[:, None, :] * w_first.to(tl.float32)[None, :, :]
-    w_ptrs += BLOCK_K * s_wk
-    x_ptrs += BLOCK_K * s_xk
-    g_ptrs += BLOCK_K * s_gk
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        sq2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     # LOOP_STAGES > 1 (PIPE=1): the compiler pipelines this loop (cp.async of the weight, x and
     # norm_weight tiles into LOOP_STAGES - 1 shared-memory buffers ahead); 1: plain register
     # loads, issued together, waited for each step.
-    for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
         # Each weight byte is read once: evict_first keeps x (re-read by every program) in L2.
         if EVEN_K:
             w = tl.load(w_ptrs, eviction_policy="evict_first")
