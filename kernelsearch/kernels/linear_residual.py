@@ -17,13 +17,9 @@ the epilogue costs M x N reads of the residual and nothing else: at decode the w
   so each program has twice the weight bytes in flight for the same accumulator registers;
   the steps that do not fill a whole UNROLL group (the end of K) run one at a time, masked
   only when K is not a multiple of BLOCK_K.
-  Early reads: the split's first weight step is also loaded at the very top of the kernel,
-  into values that are dropped (volatile loads, so the compiler keeps them): where the launcher
-  allows early reads (harness/run_plan.py, off unless HWTUNE_PDL_EARLY=1) these loads run before
-  the wait for the kernel ahead (harness/source.py early_prefix) and bring that step into L2
-  while the kernel ahead ends; the loop then reads it from L2. The loop and its registers are
-  the same as without them (a copy of the first step kept in registers instead cost 12-18
-  registers a thread in the pipelined configs, sm_90 ptxas).
+  Early reads: loads of the split's first weight step are also issued at the very top,
+  values dropped (volatile), so that with HWTUNE_PDL_EARLY=1 they reach L2 before the wait
+  for the kernel ahead ends; the loop is unchanged (docs/ARCHITECTURE.md, "Early reads").
 - "swapab" (decode, batch 9-64): "splitk" with the weight tile as tl.dot's left operand (wgmma
   on sm_90); see "Batch 32, swapped" below.
 - "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16;

@@ -34,13 +34,9 @@ Variants:
   (the weight's 16-byte, under an L2 evict_first policy); the sum of squares is still taken from
   the x tile the step multiplies. PIPE=0 compiles to the code of a plain range loop (the test
   compares the PTX).
-  Early reads: the split's first gate and up steps are also loaded at the very top of the
-  kernel, into values that are dropped (volatile loads, so the compiler keeps them): where the
-  launcher allows early reads (harness/run_plan.py, off unless HWTUNE_PDL_EARLY=1) these loads
-  run before the wait for the kernel ahead (harness/source.py early_prefix) and bring those steps
-  into L2 while the kernel ahead ends; the loop then reads them from L2. The loop and its registers are
-  the same as without them (a copy of the first step kept in registers instead cost 12-18
-  registers a thread in the pipelined configs, sm_90 ptxas).
+  Early reads: loads of the split's first gate and up steps are also issued at the very top,
+  values dropped (volatile), so that with HWTUNE_PDL_EARLY=1 they reach L2 before the wait
+  for the kernel ahead ends; the loop is unchanged (docs/ARCHITECTURE.md, "Early reads").
 - "splitk" (batch 9-64): two tl.dots (gate, up) on the normed x tile, all rows of the batch
   in one program (padded to at least 16, BLOCK_M >= 32) so that the weight is streamed once.
   The normed x goes to the dot in the weight's dtype (bf16 on the GPU, as the stock path's

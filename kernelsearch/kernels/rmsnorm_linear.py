@@ -22,13 +22,9 @@ dominates (N x K against M x K + K), and the fused norm costs a few FMAs a loade
   still taken from the x tile each step reads (now from shared memory): no extra load. PIPE=0
   gives the tl.range num_stages=1: the PTX of the plain range loop before PIPE existed (every
   gemv config compared for sm_90, less line numbers).
-  Early reads: the split's first weight step is also loaded at the very top of the kernel,
-  into values that are dropped (volatile loads, so the compiler keeps them): where the launcher
-  allows early reads (harness/run_plan.py, off unless HWTUNE_PDL_EARLY=1) these loads run before
-  the wait for the kernel ahead (harness/source.py early_prefix) and bring that step into L2
-  while the kernel ahead ends; the loop then reads it from L2. The loop and its registers are
-  the same as without them (a copy of the first step kept in registers instead cost 12-18
-  registers a thread in the pipelined configs, sm_90 ptxas).
+  Early reads: loads of the split's first weight step are also issued at the very top,
+  values dropped (volatile), so that with HWTUNE_PDL_EARLY=1 they reach L2 before the wait
+  for the kernel ahead ends; the loop is unchanged (docs/ARCHITECTURE.md, "Early reads").
 - "swapab" (decode, batch 9-64): "splitk" with the weight tile as tl.dot's left operand (wgmma
   on sm_90); see "Batch 32, swapped" below.
 - "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16; all
