@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import collections
 import hashlib
 import importlib.util
 import os
@@ -45,6 +46,8 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kernelsearch.harness.plan import TL_DTYPES
 
 MAX_SOURCE_BYTES = 512 * 1024
 RESERVED_PREFIX = "_hwtune"   # names the generated module adds (PDL_PARAM, the gdc aliases)
@@ -59,6 +62,9 @@ LIBDEVICE_MODULES = {"triton.language.extra.libdevice", "triton.language.extra.c
 HOST_MODULES = {"torch", "math", "functools", "itertools", "typing", "__future__"}
 
 JIT_BUILTINS = frozenset({"range", "min", "max", "float", "int"})
+# What writes memory in a jit body (tensor methods and tl functions alike)
+STORES = frozenset({"store", "atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min",
+                    "atomic_or", "atomic_xchg", "atomic_xor"})
 # Attributes a jit body may read off a value (a tensor, a dtype, a constexpr): tensor methods
 # that are triton.language functions, and type queries. Nothing that reaches the interpreter's
 # handles (.handle, .data) or Python internals.
@@ -69,9 +75,8 @@ VALUE_ATTRS = frozenset({
     "sum", "max", "min", "argmax", "argmin", "xor_sum", "reduce", "reduce_or", "cumsum",
     "cumprod", "associative_scan", "softmax",
     "abs", "exp", "exp2", "log", "log2", "sqrt", "sqrt_rn", "rsqrt", "sigmoid", "sin", "cos",
-    "erf", "floor", "ceil", "cdiv", "logical_and", "logical_or", "cast", "advance", "store",
-    "atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min", "atomic_or",
-    "atomic_xchg", "atomic_xor",
+    "erf", "floor", "ceil", "cdiv", "logical_and", "logical_or", "cast", "advance",
+    *STORES,
     "is_ptr", "is_floating", "is_int", "is_int_signed", "is_int_unsigned", "is_bool",
     "is_fp8", "is_fp16", "is_bf16", "is_fp32", "is_fp64", "is_block",
     "primitive_bitwidth", "int_bitwidth", "fp_mantissa_width",
@@ -140,7 +145,7 @@ class KernelSource:
         if gdc_available():
             lines.append(_GDC_IMPORT)
             trigger = pdl_trigger()
-            helpers = _storing_helpers(nodes)
+            helpers = _storing_helpers(nodes) if trigger == "late" else frozenset()
             nodes = [_with_grid_dependency_wait(fn, trigger, helpers, self.early.get(fn.name, (0,))[0])
                      for fn in nodes]
         body = ast.Module(body=[*self._globals, *nodes], type_ignores=[])
@@ -167,8 +172,9 @@ def pdl_trigger() -> str:
     placed while this one's last programs write); "after-wait" (the next kernel's programs are
     placed while this one runs); "first", before its own wait (placed while this one's
     predecessor may still run). No placement lets the next kernel read or write anything
-    earlier: its own wait still comes first and waits for this grid to end. Measured on the H200 (BENCHMARKS.md 10e): an early trigger won 0.4% at batch 1 over
-    "none" and lost 9% at batch 32 (the built-in decode step)."""
+    earlier: its own wait still comes first and waits for this grid to end. Measured on the H200
+    (BENCHMARKS.md 10e): an early trigger won 0.4% at batch 1 over "none" and lost 9% at batch 32
+    (the built-in decode step); "late" is not measured yet."""
     value = os.environ.get("HWTUNE_PDL_TRIGGER", "none").strip() or "none"
     if value not in PDL_TRIGGERS:
         import warnings
@@ -183,9 +189,13 @@ def _with_grid_dependency_wait(fn: ast.FunctionDef, trigger: str = "none",
                                helpers: frozenset = frozenset(), early: int = 0) -> ast.FunctionDef:
     """fn with a trailing `_hwtune_pdl: tl.constexpr = False` parameter and, before anything
     else, `if _hwtune_pdl: _hwtune_gdc_wait()` (with `_hwtune_gdc_launch()` before or after the
-    wait, per `trigger`). The wait is the first thing every program does (unconditionally, when
-    the launcher sets the flag), so no load, store or atomic of the kernel can run before the
-    previous kernel in the stream is done."""
+    wait, per `trigger`; "late": a `_hwtune_gdc_launch()` before the first statement that stores,
+    `helpers` being the file's jit functions that store). The wait is the first thing every
+    program does (unconditionally, when the launcher sets the flag), so no load, store or atomic
+    of the kernel can run before the previous kernel in the stream is done. With `early` > 0 (the
+    statements of fn's early prefix, see early_prefix) the wait is guarded by `_hwtune_pdl ==
+    PDL_WAIT` first and repeated after the prefix under `_hwtune_pdl == PDL_EARLY`: only a launch
+    with the early flag runs the prefix's loads before it."""
     import copy
 
     new = copy.deepcopy(fn)
@@ -223,8 +233,6 @@ _EARLY_TL = {"program_id", "num_programs", "arange", "zeros", "full", "cdiv", "m
              "max_contiguous", "max_constancy", "maximum", "minimum", "where", "load"}
 _EARLY_LOAD_KW = {"mask", "other", "boundary_check", "padding_option", "cache_modifier", "eviction_policy",
                   "volatile"}
-_TL_DTYPES = {"int1", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float8e4nv",
-              "float8e5", "float16", "bfloat16", "float32", "float64"}
 
 
 def early_prefix(fn: ast.FunctionDef, params, lang_aliases, triton_aliases, constexpr_globals,
@@ -242,42 +250,35 @@ def early_prefix(fn: ast.FunctionDef, params, lang_aliases, triton_aliases, cons
     reads: set = set()
 
     def tl_name(func):
-        dotted = _dotted(func)
-        if dotted is None:
-            return None
-        head, _, tail = dotted.rpartition(".")
-        if head in lang_aliases or (head.endswith(".language") and head.rpartition(".")[0] in triton_aliases
-                                    and "." not in head.rpartition(".")[0]):
-            return tail
-        return None
+        return _lang_tail(func, lang_aliases, triton_aliases)
 
-    def expr(node):  # -> frozenset of parameters it derives from, or None (not allowed)
+    def expr(node, names):  # -> frozenset of parameters it derives from, or None (not allowed)
         if isinstance(node, ast.Constant):
             return frozenset() if isinstance(node.value, (int, float, bool, str, type(None))) else None
         if isinstance(node, ast.Name):
-            if node.id in taint:
-                return taint[node.id]
+            if node.id in names:
+                return names[node.id]
             return frozenset() if node.id in constexpr_globals else None
         if isinstance(node, ast.BinOp):
-            return _union(expr(node.left), expr(node.right))
+            return _union(expr(node.left, names), expr(node.right, names))
         if isinstance(node, ast.UnaryOp):
-            return expr(node.operand)
+            return expr(node.operand, names)
         if isinstance(node, ast.Compare):
-            return _union(expr(node.left), *[expr(c) for c in node.comparators])
+            return _union(expr(node.left, names), *[expr(c, names) for c in node.comparators])
         if isinstance(node, ast.Subscript):
             idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
             plain = all((isinstance(i, ast.Constant) and i.value is None)
                         or (isinstance(i, ast.Slice) and i.lower is None and i.upper is None and i.step is None)
                         for i in idx)
-            return expr(node.value) if plain else None
+            return expr(node.value, names) if plain else None
         if isinstance(node, ast.Attribute):
             # tl.int64 and the like (never a pointer type: nothing in the prefix can make an
             # integer into a pointer)
-            return frozenset() if node.attr in _TL_DTYPES and tl_name(node) == node.attr else None
+            return frozenset() if node.attr in TL_DTYPES and tl_name(node) == node.attr else None
         if isinstance(node, ast.Call):
             if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
                 return None
-            parts = [expr(a) for a in node.args] + [expr(k.value) for k in node.keywords]
+            parts = [expr(a, names) for a in node.args] + [expr(k.value, names) for k in node.keywords]
             name = tl_name(node.func)
             if name in _EARLY_TL:
                 if name == "load" and not all(k.arg in _EARLY_LOAD_KW for k in node.keywords):
@@ -291,10 +292,10 @@ def early_prefix(fn: ast.FunctionDef, params, lang_aliases, triton_aliases, cons
             if isinstance(node.func, ast.Attribute) and node.func.attr == "to":
                 # x.to(tl.float32): a tl dtype, nothing else (no bitcast, no pointer type)
                 if len(node.args) != 1 or node.keywords or not (
-                        isinstance(node.args[0], ast.Attribute) and node.args[0].attr in _TL_DTYPES
+                        isinstance(node.args[0], ast.Attribute) and node.args[0].attr in TL_DTYPES
                         and tl_name(node.args[0]) == node.args[0].attr):
                     return None
-                return expr(node.func.value)
+                return expr(node.func.value, names)
             return None
         return None
 
@@ -311,17 +312,14 @@ def early_prefix(fn: ast.FunctionDef, params, lang_aliases, triton_aliases, cons
             return compile_time(node.operand)
         return False
 
-    def block(stmts, env) -> dict | None:  # the names a list of assignments binds, or None
-        env = dict(env)
+    def block(stmts) -> dict | None:  # the names a list of assignments binds, or None
+        env: dict = {}
+        names = collections.ChainMap(env, taint)   # its own bindings first, then the prefix's
         for stmt in stmts:
             if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
                     and isinstance(stmt.targets[0], ast.Name)) or stmt.targets[0].id in reserved:
                 return None
-            saved = dict(taint)
-            taint.update(env)
-            got = expr(stmt.value)
-            taint.clear()
-            taint.update(saved)
+            got = expr(stmt.value, names)
             if got is None:
                 return None
             env[stmt.targets[0].id] = got
@@ -336,7 +334,7 @@ def early_prefix(fn: ast.FunctionDef, params, lang_aliases, triton_aliases, cons
         if isinstance(stmt, ast.If) and compile_time(stmt.test):
             # either branch may be the one compiled: both must be prefix statements; a name
             # either binds carries what both derive from
-            then, other = block(stmt.body, {}), block(stmt.orelse, {})
+            then, other = block(stmt.body), block(stmt.orelse)
             if then is None or other is None:
                 break
             for name in set(then) | set(other):
@@ -344,7 +342,7 @@ def early_prefix(fn: ast.FunctionDef, params, lang_aliases, triton_aliases, cons
                                      taint.get(name, frozenset()))
             assigned.update(then, other)
         else:
-            env = block([stmt], {})
+            env = block([stmt])
             if env is None:
                 break
             taint.update(env)
@@ -360,10 +358,6 @@ def _union(*parts):
     if any(p is None for p in parts):
         return None
     return frozenset().union(*parts)
-
-
-_STORES = {"store", "atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min", "atomic_or",
-           "atomic_xchg", "atomic_xor"}
 
 
 def _storing_helpers(fns) -> frozenset:
@@ -383,9 +377,9 @@ def _stores(stmt, helpers: frozenset) -> bool:
     for node in ast.walk(stmt):
         if isinstance(node, ast.Call):
             f = node.func
-            if isinstance(f, ast.Attribute) and f.attr in _STORES:
+            if isinstance(f, ast.Attribute) and f.attr in STORES:
                 return True
-            if isinstance(f, ast.Name) and (f.id in helpers or f.id in _STORES):
+            if isinstance(f, ast.Name) and (f.id in helpers or f.id in STORES):
                 return True
     return False
 
@@ -396,6 +390,18 @@ def _is_literal(node) -> bool:
         return True
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return False
+
+
+def _lang_tail(node, lang_aliases, triton_aliases) -> str | None:
+    """`name` where node is `<alias of triton.language>.name` (tl.load, triton.language.load),
+    else None."""
+    dotted = _dotted(node)
+    if not dotted:
+        return None
+    head, _, tail = dotted.rpartition(".")
+    if head in lang_aliases or head in {f"{t}.language" for t in triton_aliases}:
+        return tail
+    return None
 
 
 def _dotted(node) -> str | None:
@@ -639,12 +645,7 @@ class _Checker:
                                                     value=new_value, lineno=0))
 
     def is_lang_attr(self, node, attr: str) -> bool:
-        dotted = _dotted(node)
-        if not dotted:
-            return False
-        head, _, tail = dotted.rpartition(".")
-        return tail == attr and (head in self.lang_aliases or
-                                 head in {f"{t}.language" for t in self.triton_aliases})
+        return _lang_tail(node, self.lang_aliases, self.triton_aliases) == attr
 
     # --- jit bodies -----------------------------------------------------------------------
     def check_jit(self, fn: ast.FunctionDef, kernel_names: set, constexpr_globals: set) -> KernelDef:
@@ -694,12 +695,8 @@ class _Checker:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return node.value.replace(" ", "").isidentifier() or \
                 all(p.isidentifier() for p in node.value.split("."))
-        dotted = _dotted(node)
-        if not dotted:
-            return False
-        head, _, tail = dotted.rpartition(".")
-        return not _dunder(tail) and (head in self.lang_aliases or
-                                      head in {f"{t}.language" for t in self.triton_aliases})
+        tail = _lang_tail(node, self.lang_aliases, self.triton_aliases)
+        return tail is not None and not _dunder(tail)
 
     def normalised(self, fn: ast.FunctionDef) -> ast.FunctionDef:
         dec = fn.decorator_list[0]
