@@ -27,9 +27,10 @@
 #   bench/issue13_gpu.sh I TABLE         on TABLE: the hf-llama rows, the built-in rows again and the
 #                                        gap breakdown
 #   bench/issue13_gpu.sh J TABLE         the GPU tests of PDL, early reads and the verifier guards,
-#                                        bench/pdl_probe.py (batch 1 with attention, batch 32), then
 #                                        TABLE less the three projection templates whose gemv now loads
-#                                        its first step early, those searched again: $OUT/dispatch.json
+#                                        its first step early, those searched again ($OUT/dispatch.json),
+#                                        then bench/pdl_probe.py (batch 32, then batch 1 with attention
+#                                        and the persistent step)
 #   bench/issue13_gpu.sh K TABLE         the built-in rows (tuned-unfused, tuned-nopdl, tuned) on TABLE
 #                                        with HWTUNE_PDL_EARLY / HWTUNE_PDL_TRIGGER 0/none, 1/none,
 #                                        1/late, 0/none again (the spread); tuned-unfused in the early-0
@@ -185,14 +186,15 @@ J)
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pdl.py tests/test_pdl_early.py \
       tests/test_verifier_guards.py
   echo "gpu tests rc=$?"
-  timeout 200 python3 bench/pdl_probe.py --layers 8 --json "$OUT/pdl-probe.json"
-  echo "pdl probe rc=$?"
   seed_table "$table" linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu
   timeout ${SEARCH_S:-200} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --kernels linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s ${BUDGET:-170} \
       --evals ${EVALS:-20} --json "$OUT/search.json"
   echo "projection search rc=$?"
-  cp $ST/dispatch/*.json "$OUT/dispatch.json" ;;
+  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+  # last: the table above is what stage K needs; the probe writes its JSON after each batch
+  timeout ${PROBE_S:-230} python3 bench/pdl_probe.py --layers 8 --json "$OUT/pdl-probe.json"
+  echo "pdl probe rc=$?" ;;
 K)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
