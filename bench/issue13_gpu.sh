@@ -38,6 +38,10 @@
 #                                        yardstick for tuned / tuned-unfused against run 10's
 #   bench/issue13_gpu.sh L TABLE         the hf-llama rows on TABLE with HWTUNE_PDL_EARLY=1 and a fresh
 #                                        inductor cache, then bench/harness_gpu.py --quick
+#   bench/issue13_gpu.sh M TABLE         TABLE less the three projection templates, those searched again
+#                                        ($OUT/dispatch.json), the built-in tuned rows on it with early
+#                                        reads / trigger 0/late, 1/late, 0/none, 1/late again, then the
+#                                        gap breakdown with 1/late
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -216,6 +220,26 @@ L)
   hf_rows "$table"; cat "$OUT/hf.log"; rm -f "$OUT/hf.log"
   OUT=$OUT timeout ${HARNESS_S:-200} python3 bench/harness_gpu.py --quick > "$OUT/harness-gpu.txt" 2>&1
   echo "harness_gpu rc=$?" ;;
+M)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  # the three projection templates searched again (their source changed), then the tuned rows
+  seed_table "$table" linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu
+  timeout ${SEARCH_S:-200} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s ${BUDGET:-170} \
+      --evals ${EVALS:-20} --json /tmp/m-search.json   # 8 files: run.log has its summary
+  echo "projection search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+  n=0
+  for cfg in 0:late 1:late 0:none 1:late; do   # K lacked 0/late: is the gain the trigger's or the reads'?
+    n=$((n + 1)); e=${cfg%%:*}; t=${cfg##*:}
+    HWTUNE_PDL_EARLY=$e HWTUNE_PDL_TRIGGER=$t timeout 100 python3 -m daemon.cli --read-only --state-dir $ST \
+        bench --model builtin --layers 8 --shapes 1x2048,32x2048 --variants tuned --budget-s 90 \
+        --energy-window-s 0 --table "$OUT/dispatch.json" --out "$OUT/b"
+    echo "early $e trigger $t rc=$?"
+    cp "$OUT/b/results.json" "$OUT/m-$n-early$e-$t.json"; rm -rf "$OUT/b"
+  done
+  ( export HWTUNE_PDL_EARLY=1 HWTUNE_PDL_TRIGGER=late; gap_rows "$OUT/dispatch.json" 120 ) ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1

@@ -44,8 +44,7 @@ Variants:
 - "swapab" (batch 9-64): "splitk" with the gate and up tiles as the two dots' left operands
   and the normed x tile (transposed) as their right one, the [BLOCK_N, 32] accumulators
   transposed once after the loop: wgmma on sm_90 (64+ rows a dot: BLOCK_N >= 64), where
-  splitk's 32-row dots are mma.sync through registers. Early reads as the gemv's: the split's
-  first gate and up tiles are fetched into L2 at the top (volatile, values dropped).
+  splitk's 32-row dots are mma.sync through registers.
 No variant has a prefill tile: every config is correct at any M (a larger M re-streams the
 weight once per row block), only slower.
 fp32 accumulation, cast on store; fp32 operands use exact (ieee) dots; the interpreter's bf16
@@ -361,14 +360,6 @@ def _splitk_kernel(x_ptr, nw_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, I, K
     wg_ptrs = w_ptr + g_rows[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
     wu_ptrs = w_ptr + (g_rows + I)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
     nw_ptrs = nw_ptr + (k_lo + rk) * s_nk
-    # swapab's early reads: the split's first gate and up tiles into L2, values dropped (as the
-    # gemv's)
-    if SWAP and EVEN_K:
-        wg_l2 = tl.load(wg_ptrs, volatile=True)
-        wu_l2 = tl.load(wu_ptrs, volatile=True)
-    if SWAP and not EVEN_K:
-        wg_l2 = tl.load(wg_ptrs, mask=(k_lo + rk)[None, :] < K, other=0.0, volatile=True)
-        wu_l2 = tl.load(wu_ptrs, mask=(k_lo + rk)[None, :] < K, other=0.0, volatile=True)
     if SWAP:
         acc_gt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_ut = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)

@@ -26,8 +26,7 @@ dominates (N x K against M x K + K), and the fused norm costs a few FMAs a loade
   values dropped (volatile), so that with HWTUNE_PDL_EARLY=1 they reach L2 before the wait
   for the kernel ahead ends; the loop is unchanged (docs/ARCHITECTURE.md, "Early reads").
 - "swapab" (decode, batch 9-64): "splitk" with the weight tile as tl.dot's left operand (wgmma
-  on sm_90); see "Batch 32, swapped" below. Early reads as the gemv's: the split's first weight
-  tile is fetched into L2 at the top (volatile, values dropped; the pipelined loop unchanged).
+  on sm_90); see "Batch 32, swapped" below.
 - "splitk" (decode, batch 9-64): the rows of x go through tl.dot (padded to at least 16; all
   32 rows of batch 32 in one program, so that the weight is streamed once). tl.dot is fed
   x * norm_weight cast back to the input dtype (what the stock path rounds too: the normalised
@@ -349,11 +348,6 @@ def _splitk_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, ss_ptr, c_ptr, cnt_ptr, M, N, K,
     x_ptrs = x_ptr + (rm % M).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :] * s_xk
     w_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :] * s_wk
     g_ptrs = g_ptr + (k_lo + rk) * s_gk
-    # swapab's early reads: the split's first weight tile into L2, values dropped (as the gemv's)
-    if SWAP and EVEN_K:
-        w_l2 = tl.load(w_ptrs, volatile=True)
-    if SWAP and not EVEN_K:
-        w_l2 = tl.load(w_ptrs, mask=(k_lo + rk)[None, :] < K, other=0.0, volatile=True)
     if SWAP:
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
