@@ -174,8 +174,8 @@ def pdl_trigger() -> str:
     predecessor may still run). No placement lets the next kernel read or write anything
     earlier: its own wait still comes first and waits for this grid to end. Measured on the H200
     (BENCHMARKS.md 10e): an early trigger won 0.4% at batch 1 over "none" and lost 9% at batch 32
-    (the built-in decode step); "late" with early reads on (10g) won 1.2% at batch 1 and lost
-    0.7% at batch 32, and has not been measured without them."""
+    (the built-in decode step); "late" with early reads on (10g) won 1.2% at batch 1; without
+    them, and at batch 32 (whose kernels now take no early reads), it is not measured yet."""
     value = os.environ.get("HWTUNE_PDL_TRIGGER", "none").strip() or "none"
     if value not in PDL_TRIGGERS:
         import warnings
