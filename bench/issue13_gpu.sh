@@ -58,6 +58,15 @@ hf_rows() {
   echo "bench rc=$?" >> "$OUT/hf.log"
   cp "$OUT/hf/results.json" "$OUT/hf-results.json" 2>/dev/null; rm -rf "$OUT/hf"
 }
+search_projections() {  # search_projections TABLE JSON: TABLE less the three fused projection
+  # templates, those searched again at batch 1 and 32 ($OUT/dispatch.json; the search's JSON to JSON)
+  seed_table "$1" linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu
+  timeout ${SEARCH_S:-200} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s ${BUDGET:-170} \
+      --evals ${EVALS:-20} --json "$2"
+  echo "projection search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+}
 gap_rows() {  # gap_rows TABLE [TIMEOUT_S]: bench/gaps_gpu.py on TABLE (gaps.md, gaps.json)
   timeout ${2:-150} python3 bench/gaps_gpu.py --table "$1" --shapes 1x2048,32x2048 --out "$OUT"
   echo "gaps rc=$?"; rm -f "$OUT"/events-*.json
@@ -190,12 +199,7 @@ J)
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pdl.py tests/test_pdl_early.py \
       tests/test_verifier_guards.py
   echo "gpu tests rc=$?"
-  seed_table "$table" linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu
-  timeout ${SEARCH_S:-200} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
-      --kernels linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s ${BUDGET:-170} \
-      --evals ${EVALS:-20} --json "$OUT/search.json"
-  echo "projection search rc=$?"
-  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+  search_projections "$table" "$OUT/search.json"
   # last: the table above is what stage K needs; the probe writes its JSON after each batch
   timeout ${PROBE_S:-230} python3 bench/pdl_probe.py --layers 8 --json "$OUT/pdl-probe.json"
   echo "pdl probe rc=$?" ;;
@@ -224,12 +228,7 @@ M)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
   # the three projection templates searched again (their source changed), then the tuned rows
-  seed_table "$table" linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu
-  timeout ${SEARCH_S:-200} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
-      --kernels linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s ${BUDGET:-170} \
-      --evals ${EVALS:-20} --json /tmp/m-search.json   # 8 files: run.log has its summary
-  echo "projection search rc=$?"
-  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+  search_projections "$table" /tmp/m-search.json   # 8 files: run.log has its summary
   n=0
   for cfg in 0:late 1:late 0:none 1:late; do   # K lacked 0/late: is the gain the trigger's or the reads'?
     n=$((n + 1)); e=${cfg%%:*}; t=${cfg##*:}
