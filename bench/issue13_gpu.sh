@@ -42,6 +42,17 @@
 #                                        ($OUT/dispatch.json), the built-in tuned rows on it with early
 #                                        reads / trigger 0/late, 1/late, 0/none, 1/late again, then the
 #                                        gap breakdown with 1/late
+#   bench/issue13_gpu.sh N TABLE         early reads off, trigger none / late / none / late: the built-in
+#                                        rows (graphed, tuned-unfused, tuned-nopdl, tuned), then the
+#                                        hf-llama rows (hf compiled, unfused, patched) with none and late
+#   bench/issue13_gpu.sh O TABLE         trigger late: TABLE less rope_kv_attention, that searched again
+#                                        deeper (EVALS, default 132 of its 396 configs a shape), the
+#                                        built-in rows (tuned-nopdl, tuned) on the new table and on TABLE,
+#                                        then the gap breakdown on the new table
+#   bench/issue13_gpu.sh P TABLE         the defaults (no HWTUNE_PDL_* set): the GPU tests of PDL, early
+#                                        reads and the verifier guards, bench/harness_gpu.py --quick,
+#                                        the built-in rows (tuned-nopdl, tuned) on TABLE, then
+#                                        bench/pdl_probe.py at batch 1 (pre+late split: late+apre, late+gpre)
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -239,6 +250,62 @@ M)
     cp "$OUT/b/results.json" "$OUT/m-$n-early$e-$t.json"; rm -rf "$OUT/b"
   done
   ( export HWTUNE_PDL_EARLY=1 HWTUNE_PDL_TRIGGER=late; gap_rows "$OUT/dispatch.json" 120 ) ;;
+N)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  n=0
+  for t in none late none late; do   # is "late" (without early reads) the better default?
+    n=$((n + 1))
+    HWTUNE_PDL_EARLY=0 HWTUNE_PDL_TRIGGER=$t timeout 100 python3 -m daemon.cli --read-only --state-dir $ST \
+        bench --model builtin --layers 8 --shapes 1x2048,32x2048 \
+        --variants graphed,tuned-unfused,tuned-nopdl,tuned --budget-s 90 \
+        --energy-window-s 0 --table "$table" --out "$OUT/b"
+    echo "trigger $t rc=$?"
+    cp "$OUT/b/results.json" "$OUT/n-$n-$t.json"; rm -rf "$OUT/b"
+  done
+  for t in none late; do
+    HWTUNE_PDL_EARLY=0 HWTUNE_PDL_TRIGGER=$t timeout 150 python3 -m daemon.cli --read-only --state-dir $ST \
+        bench --model hf-llama --layers 8 --shapes 1x2048,32x2048 \
+        --variants hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 140 --steps 32 --warmup 4 \
+        --check 4 --energy-window-s 0 --table "$table" --out "$OUT/hf"
+    echo "hf trigger $t rc=$?"
+    cp "$OUT/hf/results.json" "$OUT/hf-$t.json"; rm -rf "$OUT/hf"
+  done ;;
+O)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  export HWTUNE_PDL_EARLY=0 HWTUNE_PDL_TRIGGER=late
+  seed_table "$table" rope_kv_attention
+  timeout ${SEARCH_S:-280} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels rope_kv_attention --budget-s ${BUDGET:-250} --evals ${EVALS:-132} --json /tmp/o-search.json
+  echo "attention search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+  for which in new given; do
+    t=$OUT/dispatch.json; [ $which = given ] && t=$table
+    timeout 100 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+        --shapes 1x2048,32x2048 --variants tuned-nopdl,tuned --budget-s 90 --energy-window-s 0 \
+        --table "$t" --out "$OUT/b"
+    echo "table $which rc=$?"
+    cp "$OUT/b/results.json" "$OUT/o-$which.json"; rm -rf "$OUT/b"
+  done
+  gap_rows "$OUT/dispatch.json" 130 ;;
+P)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  unset HWTUNE_PDL HWTUNE_PDL_EARLY HWTUNE_PDL_TRIGGER
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pdl.py tests/test_pdl_early.py \
+      tests/test_verifier_guards.py
+  echo "gpu tests rc=$?"
+  OUT=$OUT timeout ${HARNESS_S:-200} python3 bench/harness_gpu.py --quick > "$OUT/harness-gpu.txt" 2>&1
+  echo "harness_gpu rc=$?"
+  timeout 100 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 1x2048,32x2048 --variants tuned-nopdl,tuned --budget-s 90 --energy-window-s 0 \
+      --table "$table" --out "$OUT/b"
+  echo "bench rc=$?"
+  cp "$OUT/b/results.json" "$OUT/p-builtin.json"; rm -rf "$OUT/b"
+  timeout ${PROBE_S:-150} python3 bench/pdl_probe.py --layers 8 --batches 1 --persistent "" \
+      --l2-prefetch "" --json "$OUT/pdl-probe.json"
+  echo "pdl probe rc=$?" ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1

@@ -21,6 +21,8 @@ batch 32 (a Triton tile with the weight as tl.dot's left operand, wgmma on sm_90
   pre+first   the first weight tile, then the trigger, then the wait (run 4's "gemv+pre")
   pre+af      as pre, but the attention kernels (batch 1) trigger first: the o GEMV's programs
               launch while the attention runs and fetch their first weight tile then
+  late+apre   pre+late split (batch 1): the trigger late, and only the attention's K and V
+  late+gpre   tiles before the wait (apre), or only the GEMVs' first weight tile (gpre)
 
 at batch 1 with the attention, whose split kernel leaves HBM mostly idle (latency-bound):
 
@@ -368,12 +370,15 @@ def _persist(b0, b1, wqkv, wo, wgu, wd, kc, vc, m_ws, l_ws, acc_ws, queue, exit_
         tl.store(exit_cnt, 0)
 
 
-# chain name -> (PDL, PRE, TRIG[, the attention's TRIG]); "gemv+pre" is the first probe's (one
+# chain name -> (PDL, PRE, TRIG[, the attention's TRIG[, its PRE]]); "gemv+pre" is the first probe's (one
 # tile, trigger first). "pre+af": only the attention and its combine let the next kernel launch
 # at once, so o's programs, placed while the latency-bound attention runs, load their first
 # weight tile then (at batch 1 with the attention; elsewhere it is "pre")
 MODES = {"plain": (0, 0, 0), "wait": (1, 0, 0), "wait+late": (1, 0, 2), "pre": (1, 1, 0),
-         "pre+late": (1, 1, 2), "pre2+late": (1, 2, 2), "pre+first": (1, 1, 1), "pre+af": (1, 1, 0, 1)}
+         "pre+late": (1, 1, 2), "pre2+late": (1, 2, 2), "pre+first": (1, 1, 1), "pre+af": (1, 1, 0, 1),
+         # pre+late split in two: only the attention's K and V tiles, or only the GEMVs' first tile
+         "late+apre": (1, 0, 2, 2, 1), "late+gpre": (1, 1, 2, 2, 0)}   # the attention's default
+# to the GEMVs' (its PRE at most 1)
 # Llama-3-8B's decode shapes; blocks: (BLOCK_N, BLOCK_K, num_warps) of the GEMV per K, what the
 # issue-13 search kept for the linear template; pf: (prefetch programs a kv head, elements a
 # load) of the "+pfNN" chains. `small()` is a model the interpreter runs in a test.
@@ -417,6 +422,7 @@ def chain(m: dict, impl: str, M: int, bufs: list):
     base, _, pct = impl.partition("+pf")
     pdl, pre, trig, *attn = MODES.get(base, (0, 0, 0))
     atrig = attn[0] if attn else trig
+    apre = attn[1] if len(attn) > 1 else min(pre, 1)
     d, S, nsp = m["dims"], m["S"], m["nsp"]
     hq, hkv, hd = d["hq"], d["hkv"], d["hd"]
     pf_progs, pf_block = d["pf"]
@@ -437,7 +443,7 @@ def chain(m: dict, impl: str, M: int, bufs: list):
                     kc, vc = m["kv"][0][li], m["kv"][1][li]
                     _attn_split[(hkv, nsp + (pf_progs if pf_part else 0))](
                         x, kc, vc, *m["ws"], S, 1.4426950408889634 / hd ** 0.5, m["w"]["o"][li],
-                        G=hq // hkv, D=hd, BLOCK_S=d["block_s"], NSP=nsp, PDL=pdl, PRE=min(pre, 1), TRIG=atrig,
+                        G=hq // hkv, D=hd, BLOCK_S=d["block_s"], NSP=nsp, PDL=pdl, PRE=apre, TRIG=atrig,
                         PF_PART=pf_part, PF_BLOCK=pf_block, num_warps=2, launch_pdl=bool(pdl))
                     _attn_combine[(hq,)](*m["ws"], x, NSP=nsp, D=hd, PDL=pdl, TRIG=atrig, num_warps=2,
                                          launch_pdl=bool(pdl))
@@ -602,7 +608,7 @@ def main(argv=None) -> int:
         bufs = [torch.randn(M * m["width"], device=dev, generator=g).to(torch.bfloat16) for _ in range(2)]
         x0 = bufs[0].clone()
         steps = {impl: chain(m, impl, M, bufs) for impl in ("cublas", *MODES)
-                 if impl != "pre+af" or (M == 1 and S)}   # no attention: pre+af is pre
+                 if impl not in ("pre+af", "late+apre", "late+gpre") or (M == 1 and S)}   # they need the attention
         if M == 1 and S:
             for pct in pf_pcts:
                 for base in ("wait", "pre"):
