@@ -22,7 +22,7 @@ import torch
 from kernelsearch.harness import plan as plan_mod
 from kernelsearch.harness import run_plan
 from kernelsearch.harness.source import (PDL_EARLY, PDL_PARAM, PDL_WAIT, KernelSource, SourceError, gdc_available,
-                                         load_kernels, private_dir)
+                                         load_kernels, pdl_trigger, private_dir)
 
 ROOT = Path(__file__).parents[1]
 CANDIDATES = Path(__file__).parent / "candidates"
@@ -85,10 +85,23 @@ def test_the_trigger_goes_where_hwtune_pdl_trigger_says_and_nothing_precedes_the
     src = KernelSource.parse((CANDIDATES / "honest_rmsnorm.py").read_text())
     fn = next(n for n in ast.parse(src.module_text()).body if isinstance(n, ast.FunctionDef))
     assert [s.value.func.id for s in fn.body[0].body] == calls
-    monkeypatch.setenv("HWTUNE_PDL_TRIGGER", "early")   # not a placement: warned, and none
-    with pytest.warns(RuntimeWarning, match="HWTUNE_PDL_TRIGGER='early'"):
-        fn = next(n for n in ast.parse(src.module_text()).body if isinstance(n, ast.FunctionDef))
-    assert [s.value.func.id for s in fn.body[0].body] == ["_hwtune_gdc_wait"]
+    text = ast.unparse(fn)   # a trigger beside each wait (the early prefix's two guards), no late one too
+    assert text.count("_hwtune_gdc_launch()") == (0 if trigger == "none" else text.count("_hwtune_gdc_wait()"))
+
+
+@needs_gdc
+def test_without_hwtune_pdl_trigger_and_with_an_unknown_one_the_trigger_is_late(monkeypatch):
+    src = KernelSource.parse((CANDIDATES / "honest_rmsnorm.py").read_text())
+    monkeypatch.setenv("HWTUNE_PDL_TRIGGER", "late")
+    late = src.module_text()
+    monkeypatch.delenv("HWTUNE_PDL_TRIGGER", raising=False)
+    assert pdl_trigger() == "late" and src.module_text() == late
+    monkeypatch.setenv("HWTUNE_PDL_TRIGGER", "early")   # not a placement: warned, and the default
+    with pytest.warns(RuntimeWarning, match="HWTUNE_PDL_TRIGGER='early'.*using late"):
+        assert src.module_text() == late
+    fn = next(n for n in ast.parse(late).body if isinstance(n, ast.FunctionDef))
+    assert [s.value.func.id for s in fn.body[0].body] == ["_hwtune_gdc_wait"]   # the wait first, alone
+    assert ast.unparse(fn).count("_hwtune_gdc_launch()") == 1
 
 
 def _guards(fn, name):

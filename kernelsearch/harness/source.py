@@ -164,25 +164,30 @@ def gdc_available() -> bool:
 PDL_TRIGGERS = ("first", "after-wait", "late", "none")
 
 
+PDL_TRIGGER_DEFAULT = "late"
+
+
 def pdl_trigger() -> str:
-    """Where a kernel lets the next one launch (HWTUNE_PDL_TRIGGER): "none", the default (no
-    early trigger: the next kernel is placed as this one's programs exit, and its launch and
-    this one's memory flush overlap); "late", each program's trigger just before its first
-    top-level statement that stores (after its main loop, in the templates: the next kernel is
-    placed while this one's last programs write); "after-wait" (the next kernel's programs are
+    """Where a kernel lets the next one launch (HWTUNE_PDL_TRIGGER): "late", the default, each
+    program's trigger just before its first top-level statement that stores (after its main
+    loop, in the templates: the next kernel is placed while this one's last programs write);
+    "none" (no early trigger: the next kernel is placed as this one's programs exit, and its
+    launch and this one's memory flush overlap); "after-wait" (the next kernel's programs are
     placed while this one runs); "first", before its own wait (placed while this one's
     predecessor may still run). No placement lets the next kernel read or write anything
     earlier: its own wait still comes first and waits for this grid to end. Measured on the H200
-    (BENCHMARKS.md 10e): an early trigger won 0.4% at batch 1 over "none" and lost 9% at batch 32
-    (the built-in decode step); "late" with early reads on (10g) won 1.2% at batch 1; without
-    them, and at batch 32 (whose kernels now take no early reads), it is not measured yet."""
-    value = os.environ.get("HWTUNE_PDL_TRIGGER", "none").strip() or "none"
+    (the built-in decode step, BENCHMARKS.md 10e and 10h): "after-wait" and "first" lost 9% at
+    batch 32; "late" against "none", early reads off, on two lent machines: 1.3% faster at
+    batch 1 each time (hf-llama patched 1.1%), and at batch 32 from 0.2% faster to 0.9% slower
+    (hf-llama patched 0.2% faster); the previous tuned step faster at both. An unknown value
+    warns and takes the default."""
+    value = os.environ.get("HWTUNE_PDL_TRIGGER", PDL_TRIGGER_DEFAULT).strip() or PDL_TRIGGER_DEFAULT
     if value not in PDL_TRIGGERS:
         import warnings
 
         warnings.warn(f"HWTUNE_PDL_TRIGGER={value!r} is not one of {', '.join(PDL_TRIGGERS)}: "
-                      "using none", RuntimeWarning, stacklevel=2)
-        return "none"
+                      f"using {PDL_TRIGGER_DEFAULT}", RuntimeWarning, stacklevel=2)
+        return PDL_TRIGGER_DEFAULT
     return value
 
 
