@@ -78,6 +78,16 @@ search_projections() {  # search_projections TABLE JSON: TABLE less the three fu
   echo "projection search rc=$?"
   cp $ST/dispatch/*.json "$OUT/dispatch.json"
 }
+step_rows() {  # step_rows TABLE VARIANTS FILE [TIMEOUT_S]: the built-in rows on TABLE (no energy
+  # window; killed after TIMEOUT_S, default 100, the bench's budget 10 s less) -> $OUT/FILE; the bench's rc
+  local s=${4:-100} rc
+  timeout $s python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 1x2048,32x2048 --variants "$2" --budget-s $((s - 10)) --energy-window-s 0 \
+      --table "$1" --out "$OUT/b"
+  rc=$?
+  cp "$OUT/b/results.json" "$OUT/$3"; rm -rf "$OUT/b"
+  return $rc
+}
 gap_rows() {  # gap_rows TABLE [TIMEOUT_S]: bench/gaps_gpu.py on TABLE (gaps.md, gaps.json)
   timeout ${2:-150} python3 bench/gaps_gpu.py --table "$1" --shapes 1x2048,32x2048 --out "$OUT"
   echo "gaps rc=$?"; rm -f "$OUT"/events-*.json
@@ -220,12 +230,9 @@ K)
   n=0
   for cfg in 0:none 1:none 1:late 0:none; do
     n=$((n + 1)); e=${cfg%%:*}; t=${cfg##*:}
-    HWTUNE_PDL_EARLY=$e HWTUNE_PDL_TRIGGER=$t timeout 130 python3 -m daemon.cli --read-only --state-dir $ST \
-        bench --model builtin --layers 8 --shapes 1x2048,32x2048 --variants tuned-unfused,tuned-nopdl,tuned \
-        --budget-s 120 \
-        --energy-window-s 0 --table "$table" --out "$OUT/b"
+    HWTUNE_PDL_EARLY=$e HWTUNE_PDL_TRIGGER=$t step_rows "$table" tuned-unfused,tuned-nopdl,tuned \
+        "b-$n-early$e-$t.json" 130
     echo "early $e trigger $t rc=$?"
-    cp "$OUT/b/results.json" "$OUT/b-$n-early$e-$t.json"; rm -rf "$OUT/b"
   done ;;
 L)
   exec >> "$OUT/run.log" 2>&1
@@ -243,11 +250,8 @@ M)
   n=0
   for cfg in 0:late 1:late 0:none 1:late; do   # K lacked 0/late: is the gain the trigger's or the reads'?
     n=$((n + 1)); e=${cfg%%:*}; t=${cfg##*:}
-    HWTUNE_PDL_EARLY=$e HWTUNE_PDL_TRIGGER=$t timeout 100 python3 -m daemon.cli --read-only --state-dir $ST \
-        bench --model builtin --layers 8 --shapes 1x2048,32x2048 --variants tuned --budget-s 90 \
-        --energy-window-s 0 --table "$OUT/dispatch.json" --out "$OUT/b"
+    HWTUNE_PDL_EARLY=$e HWTUNE_PDL_TRIGGER=$t step_rows "$OUT/dispatch.json" tuned "m-$n-early$e-$t.json"
     echo "early $e trigger $t rc=$?"
-    cp "$OUT/b/results.json" "$OUT/m-$n-early$e-$t.json"; rm -rf "$OUT/b"
   done
   ( export HWTUNE_PDL_EARLY=1 HWTUNE_PDL_TRIGGER=late; gap_rows "$OUT/dispatch.json" 120 ) ;;
 N)
@@ -256,12 +260,9 @@ N)
   n=0
   for t in none late none late; do   # is "late" (without early reads) the better default?
     n=$((n + 1))
-    HWTUNE_PDL_EARLY=0 HWTUNE_PDL_TRIGGER=$t timeout 100 python3 -m daemon.cli --read-only --state-dir $ST \
-        bench --model builtin --layers 8 --shapes 1x2048,32x2048 \
-        --variants graphed,tuned-unfused,tuned-nopdl,tuned --budget-s 90 \
-        --energy-window-s 0 --table "$table" --out "$OUT/b"
+    HWTUNE_PDL_EARLY=0 HWTUNE_PDL_TRIGGER=$t step_rows "$table" graphed,tuned-unfused,tuned-nopdl,tuned \
+        "n-$n-$t.json"
     echo "trigger $t rc=$?"
-    cp "$OUT/b/results.json" "$OUT/n-$n-$t.json"; rm -rf "$OUT/b"
   done
   for t in none late; do
     HWTUNE_PDL_EARLY=0 HWTUNE_PDL_TRIGGER=$t timeout 150 python3 -m daemon.cli --read-only --state-dir $ST \
@@ -282,11 +283,8 @@ O)
   cp $ST/dispatch/*.json "$OUT/dispatch.json"
   for which in new given; do
     t=$OUT/dispatch.json; [ $which = given ] && t=$table
-    timeout 100 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-        --shapes 1x2048,32x2048 --variants tuned-nopdl,tuned --budget-s 90 --energy-window-s 0 \
-        --table "$t" --out "$OUT/b"
+    step_rows "$t" tuned-nopdl,tuned "o-$which.json"
     echo "table $which rc=$?"
-    cp "$OUT/b/results.json" "$OUT/o-$which.json"; rm -rf "$OUT/b"
   done
   gap_rows "$OUT/dispatch.json" 130 ;;
 P)
@@ -298,11 +296,8 @@ P)
   echo "gpu tests rc=$?"
   OUT=$OUT timeout ${HARNESS_S:-200} python3 bench/harness_gpu.py --quick > "$OUT/harness-gpu.txt" 2>&1
   echo "harness_gpu rc=$?"
-  timeout 100 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 1x2048,32x2048 --variants tuned-nopdl,tuned --budget-s 90 --energy-window-s 0 \
-      --table "$table" --out "$OUT/b"
+  step_rows "$table" tuned-nopdl,tuned p-builtin.json
   echo "bench rc=$?"
-  cp "$OUT/b/results.json" "$OUT/p-builtin.json"; rm -rf "$OUT/b"
   timeout ${PROBE_S:-150} python3 bench/pdl_probe.py --layers 8 --batches 1 --persistent "" \
       --l2-prefetch "" --json "$OUT/pdl-probe.json"
   echo "pdl probe rc=$?" ;;

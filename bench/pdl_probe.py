@@ -379,6 +379,7 @@ MODES = {"plain": (0, 0, 0), "wait": (1, 0, 0), "wait+late": (1, 0, 2), "pre": (
          "pre+late": (1, 1, 2), "pre2+late": (1, 2, 2), "pre+first": (1, 1, 1), "pre+af": (1, 1, 0, 1),
          # pre+late split in two: only the attention's K and V tiles, or only the GEMVs' first tile
          "late+apre": (1, 0, 2, 2, 1), "late+gpre": (1, 1, 2, 2, 0)}
+ATTENTION_MODES = {name for name, mode in MODES.items() if len(mode) > 3}   # differ only with attention
 # Llama-3-8B's decode shapes; blocks: (BLOCK_N, BLOCK_K, num_warps) of the GEMV per K, what the
 # issue-13 search kept for the linear template; pf: (prefetch programs a kv head, elements a
 # load) of the "+pfNN" chains. `small()` is a model the interpreter runs in a test.
@@ -608,7 +609,7 @@ def main(argv=None) -> int:
         bufs = [torch.randn(M * m["width"], device=dev, generator=g).to(torch.bfloat16) for _ in range(2)]
         x0 = bufs[0].clone()
         steps = {impl: chain(m, impl, M, bufs) for impl in ("cublas", *MODES)
-                 if impl not in ("pre+af", "late+apre", "late+gpre") or (M == 1 and S)}   # need attention
+                 if impl not in ATTENTION_MODES or (M == 1 and S)}
         if M == 1 and S:
             for pct in pf_pcts:
                 for base in ("wait", "pre"):

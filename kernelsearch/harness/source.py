@@ -162,8 +162,6 @@ def gdc_available() -> bool:
 
 
 PDL_TRIGGERS = ("first", "after-wait", "late", "none")
-
-
 PDL_TRIGGER_DEFAULT = "late"
 
 
