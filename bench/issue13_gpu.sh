@@ -53,6 +53,15 @@
 #                                        reads and the verifier guards, bench/harness_gpu.py --quick,
 #                                        the built-in rows (tuned-nopdl, tuned) on TABLE, then
 #                                        bench/pdl_probe.py at batch 1 (pre+late split: late+apre, late+gpre)
+#   bench/issue13_gpu.sh Q TABLE         the step judge: TABLE less the three projection templates, those
+#                                        searched again (their configs in a fresh ledger: $OUT/ledger.sqlite,
+#                                        $OUT/dispatch.json), then `hwtune bench --judge-in-step` (tuned rows)
+#                                        on a copy of it, judged and written back ($OUT/dispatch-judged.json,
+#                                        the decisions and the step as given / as judged in q-judge.json).
+#                                        TABLE must be this device's (run13/M's is an H200's)
+#   bench/issue13_gpu.sh R SEARCHED JUDGED   the built-in rows (tuned-nopdl, tuned) on SEARCHED, JUDGED,
+#                                        SEARCHED, JUDGED (the same-run comparison), then the gap
+#                                        breakdown on JUDGED
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -301,6 +310,28 @@ P)
   timeout ${PROBE_S:-150} python3 bench/pdl_probe.py --layers 8 --batches 1 --persistent "" \
       --l2-prefetch "" --json "$OUT/pdl-probe.json"
   echo "pdl probe rc=$?" ;;
+Q)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  search_projections "$table" /tmp/q-search.json
+  cp "$OUT/dispatch.json" "$OUT/dispatch-judged.json"
+  timeout ${JUDGE_S:-240} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $((${JUDGE_S:-240} - 10)) \
+      --energy-window-s 0 --table "$OUT/dispatch-judged.json" --out "$OUT/j"
+  echo "judge rc=$?"
+  cp "$OUT/j/results.json" "$OUT/q-judge.json"; rm -rf "$OUT/j"
+  cp $ST/ledger.sqlite "$OUT/ledger.sqlite" ;;
+R)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  judged=${3:?usage: issue13_gpu.sh R SEARCHED JUDGED}
+  n=0
+  for t in "$table" "$judged" "$table" "$judged"; do
+    n=$((n + 1)); which=searched; [ "$t" = "$judged" ] && which=judged
+    step_rows "$t" tuned-nopdl,tuned "r-$n-$which.json"
+    echo "table $which rc=$?"
+  done
+  gap_rows "$judged" 130 ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1

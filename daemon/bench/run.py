@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -52,6 +53,10 @@ FAIR_NOTE = ("All variants run the same model with the same fused weights (one Q
              "the fused kernels; they differ only in how the step is launched and which kernels run.")
 # Without a table covering the decode shapes, the search gets at most this share of --budget-s.
 SEARCH_SHARE = 0.5
+# --judge-in-step: graph replays a timing of the step (a ~1 ms step: cheap), and the budget a
+# shape needs left to start (plans of the ledger's configs, a capture and 3 rounds an alternative)
+JUDGE_REPS = 50
+JUDGE_MIN_S = 60
 
 
 def log(msg: str) -> None:
@@ -76,6 +81,7 @@ class BenchOptions:
     state_dir: str | None = None
     search_evals: int = DEFAULT_EVALS
     seed: int = 0
+    judge_in_step: bool = False   # kernelsearch.stepjudge on each shape's tuned step first
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -292,8 +298,8 @@ class Bench:
                 if not variants:
                     continue
                 try:
-                    self._decode_shape(model, batch, ctx, floors[(batch, ctx)], variants, table,
-                                       table_note, doc)
+                    table = self._decode_shape(model, batch, ctx, floors[(batch, ctx)], variants, table,
+                                               table_note, doc)
                 except Exception as exc:  # e.g. out of memory for this shape: the rest still runs
                     log(f"decode {batch}x{ctx} failed: {type(exc).__name__}: {exc}")
                     doc["decode"].append({"variant": ",".join(variants), "batch": batch, "ctx": ctx,
@@ -365,6 +371,9 @@ class Bench:
         ref = model.decode_step(tokens, positions, stock).float()
         ref_no_head = model.decode_step(tokens, positions, stock, head=False).float()
         tol = 5e-2 if model.dtype != torch.float32 else 1e-3
+        if o.judge_in_step and "tuned" in variants:
+            table = self._judge_in_step(model, tokens, positions, stock, table, table_note, doc, batch,
+                                        ctx, ref, tol)
         for variant in variants:
             row = {"variant": variant, "batch": batch, "ctx": ctx, "s_max": s_max}
             if variant in ("eager", "graphed"):  # the stock step (compile's are inductor's own)
@@ -436,6 +445,71 @@ class Bench:
             fn = out = None
             if self.cuda:
                 torch.cuda.empty_cache()
+        return table
+
+    def _judge_in_step(self, model, tokens, positions, stock, table, table_note, doc, batch, ctx, ref, tol):
+        """kernelsearch.stepjudge on this shape's tuned step (PDL as the tuned row launches it):
+        -> the table the tuned rows then run, written back to its file (--table's too: a given
+        table is not searched into, but --judge-in-step asks for it to be judged)."""
+        from kernelsearch import stepjudge
+
+        key = f"{batch}x{ctx}"
+        section = doc.setdefault("step_judge", {})
+        if table is None:
+            section[key] = {"status": f"not run: no dispatch table ({table_note})"}
+            log(f"step judge {key}: {section[key]['status']}")
+            return table
+        if not self.cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            section[key] = {"status": "not run: cpu without TRITON_INTERPRET=1 (the table's kernels cannot run)"}
+            log(f"step judge {key}: {section[key]['status']}")
+            return table
+        if self.left_s() < JUDGE_MIN_S:
+            section[key] = {"status": f"not run: under {JUDGE_MIN_S} s of the budget left"}
+            log(f"step judge {key}: {section[key]['status']}")
+            return table
+        cfg, dt = model.cfg, DTYPE_NAMES[model.dtype]
+        probe = TunedOps(table, table_note, attention=stock.attention, fused=True)
+        model.decode_step(tokens, positions, probe)   # the calls the step routes to the table
+        calls = [(k, s, dt) for k, shapes in decode_shapes(cfg, [(batch, ctx)], fused=True).items()
+                 for s in shapes if probe.runs_tuned(k, s, dt)]
+
+        def make_step(t):
+            ops = TunedOps(t, table_note, attention=stock.attention, fused=True)
+            return lambda: model.decode_step(tokens, positions, ops)
+
+        def check(out):
+            err = rel_l2(out.float(), ref)
+            return None if err <= tol else f"logits differ from stock's (rel_l2 {err:.2e} > {tol:g})"
+
+        ledger = Path(self.opts.state_dir) / "ledger.sqlite" if self.opts.state_dir else None
+        t0 = time.monotonic()
+        try:
+            with pdl(TUNED_VARIANTS["tuned"][1]):
+                result = stepjudge.judge(table, make_step=make_step, calls=calls, device=self.opts.device,
+                                         ledger_path=ledger, check=check, progress=log,
+                                         reps=JUDGE_REPS if self.cuda else None)
+        except Exception as exc:  # the rows still run, on the table as it was
+            section[key] = {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}",
+                            "traceback": traceback.format_exc(limit=6)[-2000:]}
+            log(f"step judge {key}: {section[key]['status']}")
+            return table
+        record = {"status": "ok", **result.to_json(), "wall_s": round(time.monotonic() - t0, 2),
+                  "ledger": str(ledger) if ledger is not None and ledger.exists() else None}
+        changed = [d for d in result.decisions if d.changed]
+        if not result.changes_applied:
+            record["written"] = f"not written: the timer is {result.method or 'none'}, not a speed"
+        elif table.path is None:
+            record["written"] = "not written: the table has no file (judged for this run only)"
+        else:
+            try:
+                n, notes = stepjudge.write(table.path, result)
+                record["written"] = f"{n} decision(s) written to {table.path}" + (
+                    f"; {'; '.join(notes)}" if notes else "")
+            except OSError as exc:   # the rows still run on the judged table
+                record["written"] = f"not written to {table.path}: {exc.strerror or exc}"
+        section[key] = record
+        log(f"step judge {key}: {len(changed)} of {len(result.decisions)} entries changed ({record['written']})")
+        return result.table
 
     def _make_step(self, variant, model, tokens, positions, stock, table, table_note, doc, batch, ctx,
                    ref, tol):

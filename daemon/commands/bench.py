@@ -44,6 +44,11 @@ def add_bench_arguments(p) -> None:
                    help="where the dispatch table lacks a decode shape of the model, the tuned "
                         "variant first runs the kernel search there (within half of --budget-s): "
                         "evaluations per kernel, each measuring all its missing shapes")
+    m.add_argument("--judge-in-step", action="store_true",
+                   help="before the tuned rows of each decode shape, re-time the table's entries "
+                        "inside this step against their leading configs in the ledger and stock "
+                        "(kernelsearch.stepjudge; only CUDA timings change the table) and keep the fastest; "
+                        "the judged table is written back to its file (--table's too)")
     m.add_argument("--seed", type=int, default=0, help="seed of the model weights and tokens")
     h = p.add_argument_group("Hugging Face model")
     h.add_argument("--model", default="builtin", metavar="builtin,hf-llama",
@@ -89,6 +94,9 @@ def _models(args) -> tuple:
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
         raise UsageError(f"--model {args.model}: expected builtin, hf-llama or builtin,hf-llama")
+    if getattr(args, "judge_in_step", False) and (args.from_results or args.workload_command):
+        raise UsageError("--judge-in-step judges the built-in model's step: not with "
+                         + ("--from-results" if args.from_results else "--command"))
     if args.from_results or args.workload_command:
         return models
     from daemon.bench import hf
@@ -102,6 +110,11 @@ def _models(args) -> tuple:
             raise UsageError(problem)
     if args.check < 1:
         raise UsageError(f"--check {args.check}: at least 1 compared step")
+    if getattr(args, "judge_in_step", False):
+        if "builtin" not in models:
+            raise UsageError("--judge-in-step judges the built-in model's step: add builtin to --model")
+        if args.variants is not None and "tuned" not in [v.strip() for v in args.variants.split(",")]:
+            raise UsageError(f"--judge-in-step judges the tuned step: --variants {args.variants} has no tuned")
     if args.variants is not None:
         names = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = sorted(set(names) - set(VARIANTS) - set(EXTRA_VARIANTS) - set(hf.VARIANTS))
@@ -201,7 +214,7 @@ def _measure(args, ctx) -> dict:
                 variants=_variants(args, VARIANTS, EXTRA_VARIANTS),
                 steps=args.steps, warmup=args.warmup, energy_window_s=args.energy_window_s,
                 budget_s=args.budget_s, table_path=args.table, state_dir=str(ctx.state_dir),
-                search_evals=args.search_evals, seed=args.seed)
+                search_evals=args.search_evals, seed=args.seed, judge_in_step=args.judge_in_step)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
         try:

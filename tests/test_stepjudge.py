@@ -1,0 +1,348 @@
+"""kernelsearch.stepjudge: a table entry re-timed inside the step against its leading configs from
+the ledger and stock; replaced only where the step is faster beyond the current table's own
+spread, and only when the timer is a speed."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kernelsearch import stepjudge
+from kernelsearch.dispatch import DispatchTable
+from kernelsearch.entry import Entry
+from kernelsearch.ledger import Ledger
+from tests.conftest import ROOT
+
+FP = "fp-test"
+SHAPE = {"M": 32, "K": 4096, "N": 4096}
+OTHER = {"M": 1, "K": 4096, "N": 4096}
+CUDA = "cuda_graph_replay"
+CPU = "cpu_interpreter (not a speed)"
+
+
+class Table(DispatchTable):
+    """Every entry routes (no source to load): the judge's bookkeeping without kernels."""
+
+    def usable(self, entry):
+        return True
+
+
+def entry(params, shape=SHAPE, candidate_ms=0.0166, stock_ms=0.0200, source_hash="h1"):
+    return Entry.make(kernel="linear_residual", dtype="bfloat16", shape=dict(shape),
+                      source={"module": "kernelsearch.kernels.linear_residual"}, source_hash=source_hash,
+                      params=params, plan={"steps": []}, candidate_ms=candidate_ms, stock_ms=stock_ms,
+                      speedup=round(stock_ms / candidate_ms, 4), against="cuBLAS", noise_band=0.01)
+
+
+def table_of(*entries, path=None):
+    return Table({"format": 1, "fingerprint_id": FP, "entries": list(entries)}, path)
+
+
+def row(params, candidate_ms, stock_ms=0.0200, shape=SHAPE, accepted=True, source_hash="h1",
+        fingerprint=FP, band=0.01, dtype="bfloat16"):
+    return {"run_id": "r", "kernel": "linear_residual", "dtype": dtype, "shape": dict(shape),
+            "strategy": "grid", "source": "{}", "source_hash": source_hash, "params": params,
+            "accepted": accepted, "guard": None if accepted else "correctness", "reason": "",
+            "candidate_ms": candidate_ms, "stock_ms": stock_ms, "noise_band": band, "flops": 0,
+            "bytes": 0, "fingerprint": fingerprint, "fingerprint_json": {}, "code_version": "c"}
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """The sandbox's launch plan for a ledger config (a real one needs the template's source)."""
+    import kernelsearch.harness.verify as verify
+
+    made = []
+
+    def make_plan(kernel, source_path, shape, dtype, params, device):
+        made.append(dict(params))
+        return None if params.get("no_plan") else {"steps": [{"op": "launch", "params": dict(params)}]}
+    monkeypatch.setattr(verify, "make_plan", make_plan)
+    return made
+
+
+def step_model(times: dict, bad=()):
+    """make_step and timer: the step's time is `times[label]` for the params the table holds at
+    SHAPE ("stock" where it holds none), plus a fixed wobble per timing of 0.05%."""
+    count = {"n": 0}
+
+    def label_of(t):
+        e = t.lookup("linear_residual", SHAPE, "bfloat16")
+        return "stock" if e is None else e.params["tile"]
+
+    def make_step(t):
+        label = label_of(t)
+
+        def fn():
+            return "bad" if label in bad else "ok"
+        fn.label = label
+        return fn
+
+    def timer(fn):
+        count["n"] += 1
+        return times[fn.label] * (1 + 0.0005 * (count["n"] % 2)), CUDA
+    return make_step, timer
+
+
+def judge(table, times, ledger=None, bad=(), method=CUDA, **kw):
+    make_step, timer = step_model(times, bad)
+    t = timer if method == CUDA else (lambda fn: (timer(fn)[0], method))
+    return stepjudge.judge(table, make_step=make_step, calls=[("linear_residual", SHAPE, "bfloat16")],
+                           device="cuda", ledger_path=ledger, timer=t,
+                           check=lambda out: None if out == "ok" else "logits differ", **kw)
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as led:
+        led.record([row({"tile": "splitk"}, 0.0166), row({"tile": "swapab"}, 0.0167),
+                    row({"tile": "wide"}, 0.0171)])
+    return path
+
+
+def test_leading_configs_are_the_ledgers_kept_ones_at_the_shape_within_the_margin_fastest_first(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as led:
+        led.record([
+            row({"tile": "own"}, 0.0150),                       # the entry's own params: left out
+            row({"tile": "a"}, 0.0180), row({"tile": "a"}, 0.0170),   # the latest attempt counts
+            row({"tile": "b"}, 0.0168),
+            row({"tile": "c"}, 0.0169),                         # beyond top=2
+            row({"tile": "slow"}, 0.0190),                      # outside 10% of the entry's 0.0166
+            row({"tile": "rejected"}, 0.0100, accepted=False),
+            row({"tile": "not-kept"}, 0.0160, stock_ms=0.0161),  # within the noise band of stock
+            row({"tile": "no-band"}, 0.0160, stock_ms=0.0162, band=None),  # the default 2% band
+            row({"tile": "other-shape"}, 0.0100, shape=OTHER),
+            row({"tile": "other-source"}, 0.0100, source_hash="h2"),
+            row({"tile": "other-device"}, 0.0100, fingerprint="fp-other"),
+            row({"tile": "other-dtype"}, 0.0100, dtype="float16"),
+            row({"tile": "dtype-pinned"}, 0.0167, shape=dict(SHAPE, dtype="bfloat16")),
+        ])
+        got = stepjudge.leading(led, entry({"tile": "own"}), FP, top=3)
+    assert [r["params"]["tile"] for r in got] == ["dtype-pinned", "b", "c"]
+    with Ledger(path) as led:
+        assert [r["params"]["tile"] for r in stepjudge.leading(led, entry({"tile": "own"}), FP, top=9)] == [
+            "dtype-pinned", "b", "c", "a"]
+
+
+def test_an_alternative_faster_in_the_step_replaces_the_entry_with_the_evidence(ledger, plans):
+    cur = entry({"tile": "splitk"})
+    result = judge(table_of(cur, entry({"tile": "x"}, shape=OTHER)), {"splitk": 1.60, "swapab": 1.56,
+                                                                         "wide": 1.58, "stock": 1.70}, ledger)
+    (d,) = result.decisions
+    assert d.outcome == "replaced" and d.changed and result.changes_applied
+    now = result.table.lookup("linear_residual", SHAPE, "bfloat16")
+    assert now.params["tile"] == "swapab" and now.plan["steps"][0]["params"] == {"tile": "swapab"}
+    assert now.candidate_ms == 0.0167 and now.stock_ms == 0.0200   # the harness's figures of that config
+    step = now.extra["step"]
+    assert step["outcome"] == "replaced" and step["before_params"] == {"tile": "splitk"}
+    labels = {a["label"]: a for a in step["alternatives"]}
+    assert set(labels) == {"current", '{"tile":"swapab"}', '{"tile":"wide"}', stepjudge.STOCK}
+    assert all(len(a["step_ms"]) == stepjudge.ROUNDS for a in labels.values())
+    assert result.table.lookup("linear_residual", OTHER, "bfloat16").params["tile"] == "x"  # untouched
+    assert result.summary["speedup"] == pytest.approx(1.60 / 1.56, rel=1e-3)
+    assert plans == [{"tile": "swapab"}, {"tile": "wide"}]
+
+
+def test_a_gain_within_the_band_keeps_the_entry(ledger, plans):
+    result = judge(table_of(entry({"tile": "splitk"})), {"splitk": 1.600, "swapab": 1.597, "wide": 1.61,
+                                                         "stock": 1.7}, ledger)
+    (d,) = result.decisions
+    assert d.outcome == "kept" and not d.changed and d.band == stepjudge.MIN_BAND
+    assert result.table.lookup("linear_residual", SHAPE, "bfloat16").params["tile"] == "splitk"
+    assert result.summary is None
+
+
+def test_stock_faster_in_the_step_removes_the_entry(ledger, plans):
+    result = judge(table_of(entry({"tile": "splitk"})), {"splitk": 1.60, "swapab": 1.59, "wide": 1.61,
+                                                         "stock": 1.50}, ledger)
+    assert result.decisions[0].outcome == "removed" and result.decisions[0].after is None
+    assert result.table.lookup("linear_residual", SHAPE, "bfloat16") is None
+
+
+def test_without_a_ledger_only_stock_is_tried(plans):
+    result = judge(table_of(entry({"tile": "splitk"})), {"splitk": 1.60, "stock": 1.70}, None)
+    (d,) = result.decisions
+    assert [a.label for a in d.alternatives] == ["current", stepjudge.STOCK] and d.outcome == "kept"
+
+
+def test_an_alternative_whose_step_fails_its_check_or_has_no_plan_is_never_chosen(tmp_path, plans):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as led:
+        led.record([row({"tile": "swapab"}, 0.0167), row({"tile": "np", "no_plan": 1}, 0.0167)])
+    result = judge(table_of(entry({"tile": "splitk"})), {"splitk": 1.60, "swapab": 1.40, "np": 1.3,
+                                                         "stock": 1.70}, path, bad=("swapab",))
+    (d,) = result.decisions
+    assert d.outcome == "kept"
+    problems = {a.label: a.problem for a in d.alternatives}
+    assert problems['{"tile":"swapab"}'] == "step check: logits differ"
+    assert problems['{"no_plan":1,"tile":"np"}'] == "no launch plan from the sandbox"
+    assert all(not a.step_ms for a in d.alternatives if a.problem)
+
+
+def test_a_current_step_that_fails_its_check_is_not_judged(ledger, plans):
+    result = judge(table_of(entry({"tile": "splitk"})), {"splitk": 1.6, "swapab": 1.0, "wide": 1.0,
+                                                         "stock": 1.0}, ledger, bad=("splitk",))
+    assert result.decisions[0].outcome.startswith("not judged: the current step fails")
+    assert result.table.lookup("linear_residual", SHAPE, "bfloat16").params["tile"] == "splitk"
+
+
+def test_interpreter_times_change_nothing(ledger, plans):
+    result = judge(table_of(entry({"tile": "splitk"})), {"splitk": 1.60, "swapab": 1.2, "wide": 1.3,
+                                                         "stock": 1.1}, ledger, method=CPU)
+    (d,) = result.decisions
+    assert d.outcome == f"kept ({stepjudge.STOCK} timed faster, but the timer is {CPU})"
+    assert not result.changes_applied and not d.changed
+    assert result.table.lookup("linear_residual", SHAPE, "bfloat16").params["tile"] == "splitk"
+
+
+def test_a_noisy_current_step_widens_the_band(ledger, plans):
+    seqs = {"splitk": iter([1.60, 1.50, 1.55]), "swapab": iter([1.52] * 3), "wide": iter([1.6] * 3),
+            "stock": iter([1.7] * 3)}
+    make_step, _ = step_model({})
+    result = stepjudge.judge(table_of(entry({"tile": "splitk"})), make_step=make_step,
+                             calls=[("linear_residual", SHAPE, "bfloat16")], device="cuda", ledger_path=ledger,
+                             timer=lambda fn: (next(seqs[fn.label]), CUDA))
+    (d,) = result.decisions
+    assert d.band == pytest.approx((1.60 - 1.50) / 1.50)
+    assert d.outcome == "kept"   # the best (1.52) is 1.9% under 1.55, inside a 6.7% band
+
+
+def test_write_merges_the_decisions_and_leaves_an_entry_changed_since_alone(tmp_path, ledger, plans):
+    path = tmp_path / "dispatch.json"
+    cur, other = entry({"tile": "splitk"}), entry({"tile": "x"}, shape=OTHER)
+    DispatchTable({"format": 1, "fingerprint_id": FP, "entries": [cur, other]}).save(path)
+    result = judge(table_of(cur, other), {"splitk": 1.60, "swapab": 1.56, "wide": 1.58, "stock": 1.7}, ledger)
+    n, notes = stepjudge.write(path, result)
+    assert (n, notes) == (1, [])
+    data = json.loads(path.read_text())
+    by_m = {e["shape"]["M"]: e for e in data["entries"]}
+    assert by_m[32]["params"] == {"tile": "swapab"} and by_m[32]["step"]["outcome"] == "replaced"
+    assert by_m[1]["params"] == {"tile": "x"} and "step" not in by_m[1]
+    assert [s["outcome"] for s in data["step_judged"]] == ["replaced"]
+    # the same decisions again: the file no longer holds the judged entry
+    n, notes = stepjudge.write(path, result)
+    assert n == 0 and "changed in" in notes[0]
+    assert json.loads(path.read_text())["entries"] == data["entries"]
+
+
+def test_a_removed_entry_is_written_as_gone_and_logged(tmp_path, ledger, plans):
+    path = tmp_path / "dispatch.json"
+    cur = entry({"tile": "splitk"})
+    DispatchTable({"format": 1, "fingerprint_id": FP, "entries": [cur]}).save(path)
+    result = judge(table_of(cur), {"splitk": 1.60, "swapab": 1.59, "wide": 1.61, "stock": 1.5}, ledger)
+    assert stepjudge.write(path, result) == (1, [])
+    data = json.loads(path.read_text())
+    assert data["entries"] == [] and data["step_judged"][0]["outcome"] == "removed"
+    assert data["step_judged"][0]["after_params"] is None
+
+
+def test_entries_with_a_range_or_that_do_not_route_are_not_judged(plans):
+    class Stale(Table):
+        def usable(self, entry):
+            return False
+
+    ranged = Entry.make(**{**entry({"tile": "splitk"}).to_json(), "range": {"M": [17, 32]}})
+    made = []
+    for table, why in ((table_of(ranged), "a range"), (Stale({"format": 1, "fingerprint_id": FP,
+                                                               "entries": [entry({"tile": "s"})]}), "does not route")):
+        result = stepjudge.judge(table, make_step=lambda t: made.append(t), calls=[("linear_residual", SHAPE, "bfloat16")],
+                                 device="cuda", timer=lambda fn: (1.0, CUDA))
+        assert why in result.decisions[0].outcome
+    assert made == []
+
+
+CHILD = r'''
+import json, sys
+from pathlib import Path
+from kernelsearch.ledger import Ledger
+from daemon.bench.model import PRESETS
+from kernelsearch.kernels.swiglu import CONFIGS
+from tests.tuned_tables import verified_table
+
+table_path, state = Path(sys.argv[1]), Path(sys.argv[2])
+shape = {"M": 2, "I": PRESETS["tiny"].ffn}
+table = verified_table([("swiglu", shape, "float32", CONFIGS[0])])
+table.save(table_path)
+e = table.entries[0]
+alt = next(p for p in CONFIGS[1:] if p["BLOCK"] == 256)
+with Ledger(state / "ledger.sqlite") as led:
+    led.record([{"run_id": "r", "kernel": "swiglu", "dtype": "float32", "shape": shape, "strategy": "grid",
+                 "source": "{}", "source_hash": e.source_hash, "params": p, "accepted": True, "guard": None,
+                 "reason": "", "candidate_ms": ms, "stock_ms": 1.0, "noise_band": 0.01, "flops": 0,
+                 "bytes": 0, "fingerprint": table.data["fingerprint_id"], "fingerprint_json": {},
+                 "code_version": "c"} for p, ms in ((CONFIGS[0], 0.5), (alt, 0.51))])
+print(json.dumps({"alt": alt}))
+'''
+
+
+def test_the_bench_judges_the_tuned_step_on_the_interpreter_and_changes_nothing(tmp_path, hwtune_cli):
+    """End to end on the CPU: a harness-verified swiglu entry, one more config of it in the ledger;
+    the sandbox plans it, both steps and stock's run and match stock's logits, are timed by the
+    interpreter, and the table is left as it was (those times are not a speed)."""
+    state, table = tmp_path / "state", tmp_path / "table.json"
+    state.mkdir()
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(table), str(state)], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    alt = json.loads(proc.stdout.strip().splitlines()[-1])["alt"]
+    before = table.read_text()
+    proc = hwtune_cli("--state-dir", state, "bench", "--device", "cpu", "--shapes", "2x16", "--prefill", "1x8",
+                      "--steps", "20", "--warmup", "1", "--variants", "tuned", "--table", table,
+                      "--judge-in-step", "--json", check=True, timeout=600)
+    doc = json.loads(proc.stdout)
+    judged = doc["step_judge"]["2x16"]
+    assert judged["status"] == "ok" and judged["changes_applied"] is False, judged
+    (d,) = judged["decisions"]
+    assert d["kernel"] == "swiglu" and d["outcome"].startswith("kept")
+    labels = [a["label"] for a in d["alternatives"]]
+    assert labels == ["current", json.dumps(alt, sort_keys=True, separators=(",", ":")), stepjudge.STOCK]
+    assert all(len(a["step_ms"]) == stepjudge.ROUNDS and not a.get("problem") for a in d["alternatives"])
+    assert judged["written"] == f"not written: the timer is {CPU}, not a speed"
+    assert table.read_text() == before
+    tuned = next(r for r in doc["decode"] if r["variant"] == "tuned")
+    assert tuned["status"] == "ok" and tuned["kernels"]["swiglu"].startswith("tuned kernelsearch.kernels.swiglu")
+    assert "step judge 1/1 swiglu" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "hf-llama", "--judge-in-step"], "judges the built-in model's step"),
+    (["--variants", "eager,graphed", "--judge-in-step"], "has no tuned"),
+    (["--command", "true", "--judge-in-step"], "not with --command"),
+])
+def test_judge_in_step_without_the_built_in_tuned_step_is_refused(tmp_path, hwtune_cli, args, message):
+    proc = hwtune_cli("--state-dir", tmp_path, "bench", "--device", "cpu", *args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_a_step_that_cannot_be_timed_is_out_and_the_rest_is_judged(ledger, plans):
+    make_step, timer = step_model({"splitk": 1.60, "wide": 1.50, "stock": 1.7})
+
+    def flaky(fn):
+        if fn.label == "swapab":
+            raise RuntimeError("capture failed")
+        return timer(fn)
+    result = stepjudge.judge(table_of(entry({"tile": "splitk"})), make_step=make_step,
+                             calls=[("linear_residual", SHAPE, "bfloat16")], device="cuda", ledger_path=ledger,
+                             timer=flaky)
+    (d,) = result.decisions
+    assert d.outcome == "replaced" and d.after.params["tile"] == "wide"
+    swapab = next(a for a in d.alternatives if a.label == '{"tile":"swapab"}')
+    assert swapab.problem == "timing: RuntimeError: capture failed" and swapab.step_ms == []
+    broken = stepjudge.judge(table_of(entry({"tile": "splitk"})), make_step=make_step,
+                             calls=[("linear_residual", SHAPE, "bfloat16")], device="cuda", ledger_path=ledger,
+                             timer=lambda fn: (_ for _ in ()).throw(RuntimeError("no graph")))
+    assert broken.decisions[0].outcome.startswith("not judged: the current step fails (timing: RuntimeError")
+    assert broken.table.lookup("linear_residual", SHAPE, "bfloat16").params["tile"] == "splitk"
+
+
+def test_ledger_rows_of_another_form_are_not_alternatives(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as led:
+        led.record([row(["not", "a", "dict"], 0.0166), row({"tile": "ok"}, 0.0166)])
+        assert [r["params"] for r in stepjudge.leading(led, entry({"tile": "own"}), FP)] == [{"tile": "ok"}]
