@@ -53,12 +53,13 @@
 #                                        reads and the verifier guards, bench/harness_gpu.py --quick,
 #                                        the built-in rows (tuned-nopdl, tuned) on TABLE, then
 #                                        bench/pdl_probe.py at batch 1 (pre+late split: late+apre, late+gpre)
-#   bench/issue13_gpu.sh Q TABLE         the step judge: TABLE less the three projection templates, those
-#                                        searched again (their configs in a fresh ledger: $OUT/ledger.sqlite,
-#                                        $OUT/dispatch.json), then `hwtune bench --judge-in-step` (tuned rows)
-#                                        on a copy of it, judged and written back ($OUT/dispatch-judged.json,
-#                                        the decisions and the step as given / as judged in q-judge.json).
-#                                        TABLE must be this device's (run13/M's is an H200's)
+#   bench/issue13_gpu.sh Q TABLE         the step judge: TABLE less the three projection templates and
+#                                        rope_kv_attention, those searched again (their configs in a fresh
+#                                        ledger: $OUT/ledger.sqlite; $OUT/dispatch.json), then `hwtune bench
+#                                        --judge-in-step` (tuned rows) on a copy of it, judged and written back
+#                                        ($OUT/dispatch-judged.json; the decisions and the step as given / as
+#                                        judged in q-judge.json). TABLE must be this device's (run13/M's is an
+#                                        H200's: elsewhere run "search" first and give its table)
 #   bench/issue13_gpu.sh R SEARCHED JUDGED   the built-in rows (tuned-nopdl, tuned) on SEARCHED, JUDGED,
 #                                        SEARCHED, JUDGED (the same-run comparison), then the gap
 #                                        breakdown on JUDGED
@@ -313,13 +314,18 @@ P)
 Q)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
-  search_projections "$table" /tmp/q-search.json
+  search_projections "$table" /tmp/q-search.json   # seeds $ST with TABLE less the projections
+  seed_table "$OUT/dispatch.json" rope_kv_attention
+  timeout ${ATTN_S:-90} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels rope_kv_attention --budget-s ${ATTN_BUDGET:-70} --evals ${ATTN_EVALS:-24} --json /tmp/q-attn.json
+  echo "attention search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json"
   cp "$OUT/dispatch.json" "$OUT/dispatch-judged.json"
-  timeout ${JUDGE_S:-240} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $((${JUDGE_S:-240} - 10)) \
+  timeout ${JUDGE_S:-200} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $((${JUDGE_S:-200} - 10)) \
       --energy-window-s 0 --table "$OUT/dispatch-judged.json" --out "$OUT/j"
   echo "judge rc=$?"
-  cp "$OUT/j/results.json" "$OUT/q-judge.json"; rm -rf "$OUT/j"
+  cp "$OUT/j/results.json" "$OUT/q-judge.json"; rm -rf "$OUT/j" "$OUT/dispatch-judged.json.lock"
   cp $ST/ledger.sqlite "$OUT/ledger.sqlite" ;;
 R)
   exec >> "$OUT/run.log" 2>&1

@@ -346,3 +346,66 @@ def test_ledger_rows_of_another_form_are_not_alternatives(tmp_path):
     with Ledger(path) as led:
         led.record([row(["not", "a", "dict"], 0.0166), row({"tile": "ok"}, 0.0166)])
         assert [r["params"] for r in stepjudge.leading(led, entry({"tile": "own"}), FP)] == [{"tile": "ok"}]
+
+
+def _bench_judge(tmp_path, monkeypatch, table_path, applied=True):
+    """Bench._judge_in_step on the tiny model with stepjudge.judge replaced by one decision that
+    moves the first entry to other params (what a CUDA run decides): the bench's own glue."""
+    import torch
+
+    from daemon.bench.model import PRESETS, Model
+    from daemon.bench.ops import StockOps
+    from daemon.bench.run import Bench, BenchOptions
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    table = DispatchTable.load(table_path)
+    before = table.entries[0]
+    after = before.replace(params={"tile": "judged"})
+    seen = {}
+
+    def fake_judge(t, *, make_step, calls, device, ledger_path, check, progress, reps):
+        seen.update(calls=calls, ledger=ledger_path, step=make_step(t))
+        d = stepjudge.Decision(before.kernel, before.dtype, dict(before.shape), before, after, "replaced",
+                               band=0.003, method=CUDA if applied else CPU)
+        return stepjudge.JudgeResult(stepjudge.with_entry(t, before, after), [d], d.method, applied)
+    monkeypatch.setattr(stepjudge, "judge", fake_judge)
+    bench = Bench(BenchOptions(device="cpu", state_dir=str(tmp_path / "state"), judge_in_step=True))
+    model = Model(PRESETS["tiny"], device="cpu", dtype=torch.float32)
+    model.allocate_cache(2, 17)
+    tokens, positions = torch.tensor([3, 5]), torch.tensor([16, 16])
+    doc = {}
+    got = bench._judge_in_step(model, tokens, positions, StockOps(), table, "given", doc, 2, 16,
+                               torch.zeros(1), 1.0)
+    return got, doc["step_judge"]["2x16"], seen
+
+
+def test_the_bench_writes_a_cuda_judgement_back_to_the_table_file(tmp_path, monkeypatch):
+    path = tmp_path / "dispatch.json"
+    DispatchTable({"format": 1, "fingerprint_id": FP, "entries": [entry({"tile": "splitk"})]}).save(path)
+    got, record, seen = _bench_judge(tmp_path, monkeypatch, path)
+    assert seen["calls"] == []                    # the tiny step routes nothing to this table
+    assert str(seen["ledger"]).endswith("state/ledger.sqlite") and callable(seen["step"])
+    assert got.entries[0].params["tile"] == "judged"
+    assert record["status"] == "ok" and record["written"] == f"1 decision(s) written to {path}"
+    assert json.loads(path.read_text())["entries"][0]["params"] == {"tile": "judged"}
+
+
+def test_the_bench_runs_on_when_the_judged_table_cannot_be_written(tmp_path, monkeypatch):
+    path = tmp_path / "dispatch.json"
+    DispatchTable({"format": 1, "fingerprint_id": FP, "entries": [entry({"tile": "splitk"})]}).save(path)
+    before = path.read_text()
+
+    def read_only(path, result):   # what a read-only file system answers
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(stepjudge, "write", read_only)
+    got, record, _ = _bench_judge(tmp_path, monkeypatch, path)
+    assert record["written"] == f"not written to {path}: Read-only file system"
+    assert got.entries[0].params["tile"] == "judged" and path.read_text() == before   # rows run judged
+
+
+def test_interpreter_judgements_are_not_written(tmp_path, monkeypatch):
+    path = tmp_path / "dispatch.json"
+    DispatchTable({"format": 1, "fingerprint_id": FP, "entries": [entry({"tile": "splitk"})]}).save(path)
+    before = path.read_text()
+    _, record, _ = _bench_judge(tmp_path, monkeypatch, path, applied=False)
+    assert record["written"] == f"not written: the timer is {CPU}, not a speed" and path.read_text() == before
