@@ -149,7 +149,8 @@ def leading(ledger, entry: Entry, fingerprint_id: str, *, top: int = TOP, within
     for row in ledger.attempts(kernel=entry.kernel, fingerprint=fingerprint_id):
         if not (row["accepted"] and isinstance(row["params"], dict) and isinstance(row["shape"], dict)
                 and row["dtype"] == entry.dtype and row["source_hash"] == entry.source_hash
-                and _canonical(_dims(row["shape"])) == want_shape and _finite(row["candidate_ms"])):
+                and _canonical(_dims(row["shape"])) == want_shape and _finite(row["candidate_ms"])
+                and row["candidate_ms"] > 0):
             continue
         key = _canonical(row["params"])
         if key != own:
@@ -186,7 +187,7 @@ def _alternative_entry(entry: Entry, row: dict, device: str) -> tuple[Entry | No
     plan = make_plan(entry.kernel, path, _dims(entry.shape), entry.dtype, row["params"], device)
     if plan is None:
         return None, "no launch plan from the sandbox"
-    speedup = (row["stock_ms"] / row["candidate_ms"]) if row["stock_ms"] else None
+    speedup = (row["stock_ms"] / row["candidate_ms"]) if row["stock_ms"] and row["candidate_ms"] > 0 else None
     try:
         alt = entry.replace(params=row["params"], plan=plan, candidate_ms=row["candidate_ms"],
                             stock_ms=row["stock_ms"], noise_band=row["noise_band"],
@@ -363,7 +364,8 @@ def write(path, result: JudgeResult) -> tuple[int, list[str]]:
 
     notes, written = [], 0
     with DispatchTable.updating(path) as table:
-        log = list(table.data.get("step_judged") or [])
+        log = table.data.get("step_judged")
+        log = list(log) if isinstance(log, list) else []
         for d in result.decisions:
             if d.outcome.startswith("not judged"):
                 continue

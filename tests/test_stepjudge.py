@@ -233,7 +233,8 @@ def test_write_merges_the_decisions_and_leaves_an_entry_changed_since_alone(tmp_
 def test_a_removed_entry_is_written_as_gone_and_logged(tmp_path, ledger, plans):
     path = tmp_path / "dispatch.json"
     cur = entry({"tile": "splitk"})
-    DispatchTable({"format": 1, "fingerprint_id": FP, "entries": [cur]}).save(path)
+    # a log of another form is started afresh
+    DispatchTable({"format": 1, "fingerprint_id": FP, "entries": [cur], "step_judged": "junk"}).save(path)
     result = judge(table_of(cur), {"splitk": 1.60, "swapab": 1.59, "wide": 1.61, "stock": 1.5}, ledger)
     assert stepjudge.write(path, result) == (1, [])
     data = json.loads(path.read_text())
@@ -344,7 +345,9 @@ def test_a_step_that_cannot_be_timed_is_out_and_the_rest_is_judged(ledger, plans
 def test_ledger_rows_of_another_form_are_not_alternatives(tmp_path):
     path = tmp_path / "ledger.sqlite"
     with Ledger(path) as led:
-        led.record([row(["not", "a", "dict"], 0.0166), row({"tile": "ok"}, 0.0166)])
+        led.record([row(["not", "a", "dict"], 0.0166), row({"tile": "ok"}, 0.0166),
+                    row({"tile": "zero"}, 0.0), row({"tile": "negative"}, -1.0),
+                    row({"tile": "nan"}, float("nan"))])
         assert [r["params"] for r in stepjudge.leading(led, entry({"tile": "own"}), FP)] == [{"tile": "ok"}]
 
 
