@@ -309,6 +309,25 @@ def test_the_bench_judges_the_tuned_step_on_the_interpreter_and_changes_nothing(
     tuned = next(r for r in doc["decode"] if r["variant"] == "tuned")
     assert tuned["status"] == "ok" and tuned["kernels"]["swiglu"].startswith("tuned kernelsearch.kernels.swiglu")
     assert "step judge 1/1 swiglu" in proc.stderr
+    from daemon.bench.run import format_table
+    assert (f"step judge 2x16: 0 of 1 entries changed (not written: the timer is {CPU}, not a speed)"
+            in format_table(doc).splitlines())
+
+
+def test_the_bench_table_names_what_the_judge_changed_and_the_steps_gain():
+    from daemon.bench.run import format_table
+
+    d = {"outcome": "replaced", "kernel": "linear_residual", "shape": SHAPE, "before_params": {"tile": "a"},
+         "after_params": {"tile": "b"}}
+    doc = {"decode": [], "step_judge": {
+        "32x2048": {"status": "ok", "decisions": [d, dict(d, outcome="kept")], "written": "2 decision(s) written to T",
+                    "summary": {"as_given": {"median_ms": 1.5636}, "as_judged": {"median_ms": 1.5512}}},
+        "1x2048": {"status": "not run: under 60 s of the budget left"}}}
+    lines = format_table(doc).splitlines()
+    assert ("step judge 32x2048: 1 of 2 entries changed; the step as given 1.5636 ms, as judged 1.5512 ms "
+            "(2 decision(s) written to T)") in lines
+    assert "  linear_residual M=32 K=4096 N=4096: replaced {'tile': 'a'} -> {'tile': 'b'}" in lines
+    assert "step judge 1x2048: not run: under 60 s of the budget left" in lines
 
 
 @pytest.mark.parametrize("args, message", [

@@ -711,6 +711,19 @@ def format_table(doc: dict) -> str:
                          f"{r.get('kernels_per_layer_stock', {}).get('total', '?')}):")
             for op, impl in r["kernels"].items():
                 lines.append(f"  {op:23s} {str(impl)[:150]}")
+    for key, j in (doc.get("step_judge") or {}).items():
+        if j.get("status") != "ok":
+            lines.append(f"step judge {key}: {j.get('status')}")
+            continue
+        changed = [d for d in j["decisions"] if d["outcome"] in ("replaced", "removed")]
+        summary = j.get("summary") or {}
+        gain = (f"; the step as given {summary['as_given']['median_ms']:.4f} ms, as judged "
+                f"{summary['as_judged']['median_ms']:.4f} ms" if summary.get("as_given") else "")
+        lines.append(f"step judge {key}: {len(changed)} of {len(j['decisions'])} entries changed{gain} "
+                     f"({j.get('written')})")
+        for d in changed:
+            shape = " ".join(f"{k}={v}" for k, v in d["shape"].items())
+            lines.append(f"  {d['kernel']} {shape}: {d['outcome']} {d['before_params']} -> {d['after_params']}")
     for r in doc.get("prefill", []):
         if r.get("status") == "ok":
             tj = f", {r['tokens_per_j']:.1f} tok/J" if r.get("tokens_per_j") else ""
