@@ -387,6 +387,8 @@ def _bench_judge(tmp_path, monkeypatch, table_path, applied=True):
 
     def fake_judge(t, *, make_step, calls, device, ledger_path, check, progress, reps):
         seen.update(calls=calls, ledger=ledger_path, step=make_step(t))
+        if applied is None:
+            return stepjudge.JudgeResult(t, [], "", False)
         d = stepjudge.Decision(before.kernel, before.dtype, dict(before.shape), before, after, "replaced",
                                band=0.003, method=CUDA if applied else CPU)
         return stepjudge.JudgeResult(stepjudge.with_entry(t, before, after), [d], d.method, applied)
@@ -431,3 +433,10 @@ def test_interpreter_judgements_are_not_written(tmp_path, monkeypatch):
     before = path.read_text()
     _, record, _ = _bench_judge(tmp_path, monkeypatch, path, applied=False)
     assert record["written"] == f"not written: the timer is {CPU}, not a speed" and path.read_text() == before
+
+
+def test_a_step_that_routes_no_entry_says_so(tmp_path, monkeypatch):
+    path = tmp_path / "dispatch.json"
+    DispatchTable({"format": 1, "fingerprint_id": FP, "entries": [entry({"tile": "splitk"})]}).save(path)
+    _, record, _ = _bench_judge(tmp_path, monkeypatch, path, applied=None)
+    assert record["written"] == "nothing to judge: the step routes no table entry"

@@ -468,10 +468,6 @@ class Bench:
             log(f"step judge {key}: {section[key]['status']}")
             return table
         cfg, dt = model.cfg, DTYPE_NAMES[model.dtype]
-        probe = TunedOps(table, table_note, attention=stock.attention, fused=True)
-        model.decode_step(tokens, positions, probe)   # the calls the step routes to the table
-        calls = [(k, s, dt) for k, shapes in decode_shapes(cfg, [(batch, ctx)], fused=True).items()
-                 for s in shapes if probe.runs_tuned(k, s, dt)]
 
         def make_step(t):
             ops = TunedOps(t, table_note, attention=stock.attention, fused=True)
@@ -484,6 +480,10 @@ class Bench:
         ledger = Path(self.opts.state_dir) / "ledger.sqlite" if self.opts.state_dir else None
         t0 = time.monotonic()
         try:
+            probe = TunedOps(table, table_note, attention=stock.attention, fused=True)
+            model.decode_step(tokens, positions, probe)   # the calls the step routes to the table
+            calls = [(k, s, dt) for k, shapes in decode_shapes(cfg, [(batch, ctx)], fused=True).items()
+                     for s in shapes if probe.runs_tuned(k, s, dt)]
             with pdl(TUNED_VARIANTS["tuned"][1]):
                 result = stepjudge.judge(table, make_step=make_step, calls=calls, device=self.opts.device,
                                          ledger_path=ledger, check=check, progress=log,
@@ -496,7 +496,9 @@ class Bench:
         record = {"status": "ok", **result.to_json(), "wall_s": round(time.monotonic() - t0, 2),
                   "ledger": str(ledger) if ledger is not None and ledger.exists() else None}
         changed = [d for d in result.decisions if d.changed]
-        if not result.changes_applied:
+        if not result.decisions:
+            record["written"] = "nothing to judge: the step routes no table entry"
+        elif not result.changes_applied:
             record["written"] = f"not written: the timer is {result.method or 'none'}, not a speed"
         elif table.path is None:
             record["written"] = "not written: the table has no file (judged for this run only)"
