@@ -63,6 +63,8 @@
 #   bench/issue13_gpu.sh R SEARCHED JUDGED   the built-in rows (tuned-nopdl, tuned) on SEARCHED, JUDGED,
 #                                        SEARCHED, JUDGED (the same-run comparison), then the gap
 #                                        breakdown on JUDGED
+#   bench/issue13_gpu.sh S SEARCHED JUDGED   the hf-llama rows (hf compiled, unfused, patched) on SEARCHED,
+#                                        then on JUDGED: the judgement in the user's model
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -338,6 +340,18 @@ R)
     echo "table $which rc=$?"
   done
   gap_rows "$judged" 130 ;;
+S)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  judged=${3:?usage: issue13_gpu.sh S SEARCHED JUDGED}
+  for which in searched judged; do
+    t=$table; [ $which = judged ] && t=$judged
+    timeout 200 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
+        --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 190 --steps 32 \
+        --warmup 4 --check 4 --energy-window-s 0 --table "$t" --out "$OUT/hf"
+    echo "hf table $which rc=$?"
+    cp "$OUT/hf/results.json" "$OUT/s-$which.json"; rm -rf "$OUT/hf"
+  done ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1
