@@ -316,15 +316,15 @@ P)
 Q)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
-  search_projections "$table" /tmp/q-search.json   # seeds $ST with TABLE less the projections
+  SEARCH_S=${SEARCH_S:-170} BUDGET=${BUDGET:-140} search_projections "$table" /tmp/q-search.json  # seeds $ST
   seed_table "$OUT/dispatch.json" rope_kv_attention
-  timeout ${ATTN_S:-90} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
-      --kernels rope_kv_attention --budget-s ${ATTN_BUDGET:-70} --evals ${ATTN_EVALS:-24} --json /tmp/q-attn.json
+  timeout ${ATTN_S:-80} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels rope_kv_attention --budget-s ${ATTN_BUDGET:-60} --evals ${ATTN_EVALS:-24} --json /tmp/q-attn.json
   echo "attention search rc=$?"
   cp $ST/dispatch/*.json "$OUT/dispatch.json"
   cp "$OUT/dispatch.json" "$OUT/dispatch-judged.json"
-  timeout ${JUDGE_S:-200} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $((${JUDGE_S:-200} - 10)) \
+  timeout ${JUDGE_S:-240} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $((${JUDGE_S:-240} - 10)) \
       --energy-window-s 0 --table "$OUT/dispatch-judged.json" --out "$OUT/j"
   echo "judge rc=$?"
   cp "$OUT/j/results.json" "$OUT/q-judge.json"; rm -rf "$OUT/j" "$OUT/dispatch-judged.json.lock"
