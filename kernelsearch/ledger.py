@@ -197,6 +197,32 @@ class Ledger:
                 "by_guard": by_guard, "top_reasons": reasons}
 
 
+def read_accepted(path, *, kernel: str, fingerprint: str, dtype: str, source_hash: str) -> list[dict]:
+    """The accepted attempts of one kernel's source on one fingerprint and dtype, in id order,
+    read without writing anything: SQLite's immutable mode takes no lock and makes no -wal or
+    -shm file (a search writing meanwhile may be missed or read as an error). Raises
+    sqlite3.Error where the file is not a readable ledger; a row whose JSON does not parse is
+    left out."""
+    from urllib.parse import quote
+
+    uri = f"file:{quote(str(Path(path).resolve()))}?mode=ro&immutable=1"
+    db = sqlite3.connect(uri, uri=True)
+    try:
+        db.row_factory = sqlite3.Row
+        rows = db.execute("SELECT * FROM attempts WHERE kernel=? AND fingerprint=? AND dtype=? "
+                          "AND source_hash=? AND accepted=1 ORDER BY id",
+                          (kernel, fingerprint, dtype, source_hash)).fetchall()
+    finally:
+        db.close()
+    out = []
+    for row in rows:
+        try:
+            out.append(_row(row))
+        except (ValueError, TypeError):
+            continue
+    return out
+
+
 def _filters(kernel, fingerprint):
     clauses, args = [], []
     if kernel:

@@ -129,31 +129,37 @@ class JudgeResult:
     method: str
     changes_applied: bool      # False where the timer is not a speed (the CPU interpreter)
     summary: dict | None = None  # the step with the table as given against as judged
+    notes: list[str] = field(default_factory=list)   # e.g. a ledger that could not be read
 
     def to_json(self) -> dict:
         return {"method": self.method, "changes_applied": self.changes_applied,
-                "decisions": [d.evidence() for d in self.decisions], "summary": self.summary}
+                "decisions": [d.evidence() for d in self.decisions], "summary": self.summary,
+                "notes": list(self.notes)}
 
 
 def _is_speed(method: str) -> bool:
     return method.startswith("cuda")
 
 
-def leading(ledger, entry: Entry, fingerprint_id: str, *, top: int = TOP, within: float = WITHIN) -> list[dict]:
+def leading(ledger_path, entry: Entry, fingerprint_id: str, *, top: int = TOP,
+            within: float = WITHIN) -> list[dict]:
     """The ledger's accepted configs of `entry`'s source at its shape on this fingerprint that the
-    harness kept against stock, within `within` of the entry's harness time, fastest first, the
-    entry's own params left out: [{"params", "candidate_ms", "stock_ms", "noise_band"}]."""
+    harness timed against stock and kept there, within `within` of the entry's harness time,
+    fastest first, the entry's own params left out: [{"params", "candidate_ms", "stock_ms",
+    "noise_band"}]. The ledger is only read (`ledger.read_accepted`); sqlite3.Error where it
+    cannot be."""
     from kernelsearch.harness.timing import keep
+    from kernelsearch.ledger import read_accepted
     from kernelsearch.search import DEFAULT_NOISE_BAND
 
     want_shape = _canonical(_dims(entry.shape))
     own = _canonical(_thaw(entry.params))
     latest: dict[str, dict] = {}
-    for row in ledger.attempts(kernel=entry.kernel, fingerprint=fingerprint_id):
-        if not (row["accepted"] and isinstance(row["params"], dict) and isinstance(row["shape"], dict)
-                and row["dtype"] == entry.dtype and row["source_hash"] == entry.source_hash
+    for row in read_accepted(ledger_path, kernel=entry.kernel, fingerprint=fingerprint_id,
+                             dtype=entry.dtype, source_hash=entry.source_hash or ""):
+        if not (isinstance(row["params"], dict) and isinstance(row["shape"], dict)
                 and _canonical(_dims(row["shape"])) == want_shape and _finite(row["candidate_ms"])
-                and row["candidate_ms"] > 0):
+                and row["candidate_ms"] > 0 and _finite(row["stock_ms"]) and row["stock_ms"] > 0):
             continue
         key = _canonical(row["params"])
         if key != own:
@@ -167,8 +173,7 @@ def leading(ledger, entry: Entry, fingerprint_id: str, *, top: int = TOP, within
             continue
         if row["candidate_ms"] > best * (1.0 + within):
             continue
-        out.append({"params": row["params"], "candidate_ms": row["candidate_ms"],
-                    "stock_ms": row["stock_ms"] if _finite(row["stock_ms"]) else None,
+        out.append({"params": row["params"], "candidate_ms": row["candidate_ms"], "stock_ms": row["stock_ms"],
                     "noise_band": row["noise_band"] if _finite(row["noise_band"]) else None})
     out.sort(key=lambda r: r["candidate_ms"])
     return out[:max(0, int(top))]
@@ -190,11 +195,11 @@ def _alternative_entry(entry: Entry, row: dict, device: str) -> tuple[Entry | No
     plan = make_plan(entry.kernel, path, _dims(entry.shape), entry.dtype, row["params"], device)
     if plan is None:
         return None, "no launch plan from the sandbox"
-    speedup = (row["stock_ms"] / row["candidate_ms"]) if row["stock_ms"] and row["candidate_ms"] > 0 else None
+    speedup = row["stock_ms"] / row["candidate_ms"]
     try:
         alt = entry.replace(params=row["params"], plan=plan, candidate_ms=row["candidate_ms"],
                             stock_ms=row["stock_ms"], noise_band=row["noise_band"],
-                            speedup=round(speedup, 4) if speedup else None)
+                            speedup=round(speedup, 4))
     except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}"
     data = alt.to_json()
@@ -227,18 +232,18 @@ def _time_ms(fn, device: str, reps: int | None):
 
 def judge(table, *, make_step: Callable, calls, device: str, ledger_path=None, top: int = TOP,
           within: float = WITHIN, rounds: int = ROUNDS, reps: int | None = None,
-          check: Callable | None = None, timer: Callable | None = None,
+          check: Callable | None = None, timer: Callable | None = None, deadline: float | None = None,
           progress: Callable[[str], None] = lambda line: None) -> JudgeResult:
     """See the module docstring. `calls`: [(kernel, shape dict, dtype name)] the step makes;
-    `timer(fn) -> (median ms, method)` replaces the harness's timer (tests only)."""
+    `deadline` (time.monotonic()): no entry is started after it; `timer(fn) -> (median ms,
+    method)` replaces the harness's timer (tests only)."""
+    import sqlite3
+
     timer = timer or (lambda fn: _time_ms(fn, device, reps))
     rounds = max(1, int(rounds))
     fp_id = table.data.get("fingerprint_id")
-    ledger = None
-    if ledger_path is not None and Path(ledger_path).exists():
-        from kernelsearch.ledger import Ledger
-
-        ledger = Ledger(ledger_path)
+    ledger_path = Path(ledger_path) if ledger_path is not None and Path(ledger_path).exists() else None
+    notes: list[str] = []
     seen, judged = set(), []
     for kernel, shape, dtype in calls:
         entry = table.lookup(kernel, shape, dtype)
@@ -250,98 +255,107 @@ def judge(table, *, make_step: Callable, calls, device: str, ledger_path=None, t
     start = table
     decisions: list[Decision] = []
     method = ""
-    try:
-        for n, entry in enumerate(judged, 1):
-            # the table as it stands holds this very entry (earlier decisions touch other keys)
-            entry = table.lookup(entry.kernel, _dims(entry.shape), entry.dtype)
-            head = f"step judge {n}/{len(judged)} {entry.kernel} " + " ".join(
-                f"{k}={v}" for k, v in _dims(entry.shape).items())
-            if entry.range is not None:
-                decisions.append(Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
-                                          "not judged: an entry with a range (one plan a shape)"))
-                progress(f"{head}: {decisions[-1].outcome}")
+    for n, entry in enumerate(judged, 1):
+        # the table as it stands holds this very entry (earlier decisions touch other keys)
+        entry = table.lookup(entry.kernel, _dims(entry.shape), entry.dtype)
+        head = f"step judge {n}/{len(judged)} {entry.kernel} " + " ".join(
+            f"{k}={v}" for k, v in _dims(entry.shape).items())
+        if deadline is not None and time.monotonic() > deadline:
+            decisions.append(Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
+                                      "not judged: time budget"))
+            progress(f"{head}: {decisions[-1].outcome}")
+            continue
+        if entry.range is not None:
+            decisions.append(Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
+                                      "not judged: an entry with a range (one plan a shape)"))
+            progress(f"{head}: {decisions[-1].outcome}")
+            continue
+        if not table.usable(entry):
+            decisions.append(Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
+                                      "not judged: the entry does not route (source changed or plan invalid)"))
+            progress(f"{head}: {decisions[-1].outcome}")
+            continue
+        alts = [Alternative("current", entry, entry.candidate_ms)]
+        rows = []
+        if ledger_path is not None:
+            try:
+                rows = leading(ledger_path, entry, fp_id, top=top, within=within)
+            except (sqlite3.Error, OSError) as exc:   # stock is still tried
+                note = f"ledger {ledger_path} not read: {type(exc).__name__}: {exc}"
+                if note not in notes:
+                    notes.append(note)
+                    progress(f"step judge: {note}")
+        for row in rows:
+            alt, problem = _alternative_entry(entry, row, device)
+            alts.append(Alternative(_canonical(row["params"]), alt, row["candidate_ms"], problem=problem))
+        alts.append(Alternative(STOCK, None, entry.stock_ms))
+        progress(f"{head}: {len(alts) - 1} alternative(s) ({len(rows)} from the ledger, and stock)")
+        steps = {}
+        for a in alts:
+            if a.problem:
                 continue
-            if not table.usable(entry):
-                decisions.append(Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
-                                          "not judged: the entry does not route (source changed or plan invalid)"))
-                progress(f"{head}: {decisions[-1].outcome}")
+            try:
+                t = table if a.label == "current" else with_entry(table, entry, a.entry)
+                fn = make_step(t)
+                out = fn()
+                problem = check(out) if check is not None else None
+            except Exception as exc:
+                problem = f"{type(exc).__name__}: {str(exc)[:200]}"
+            if problem:
+                a.problem = f"step check: {problem}"
                 continue
-            alts = [Alternative("current", entry, entry.candidate_ms)]
-            rows = leading(ledger, entry, fp_id, top=top, within=within) if ledger is not None else []
-            for row in rows:
-                alt, problem = _alternative_entry(entry, row, device)
-                alts.append(Alternative(_canonical(row["params"]), alt, row["candidate_ms"], problem=problem))
-            alts.append(Alternative(STOCK, None, entry.stock_ms))
-            progress(f"{head}: {len(alts) - 1} alternative(s) ({len(rows)} from the ledger, and stock)")
-            steps = {}
-            for a in alts:
+            steps[a.label] = (t, fn)
+        if "current" not in steps:
+            d = Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
+                         f"not judged: the current step fails ({alts[0].problem})", alternatives=alts)
+            decisions.append(d)
+            progress(f"{head}: {d.outcome}")
+            continue
+        order = [a for a in alts if a.label in steps]
+        for r in range(rounds):
+            shift = r % len(order)
+            for a in order[shift:] + order[:shift]:
                 if a.problem:
                     continue
                 try:
-                    t = table if a.label == "current" else with_entry(table, entry, a.entry)
-                    fn = make_step(t)
-                    out = fn()
-                    problem = check(out) if check is not None else None
-                except Exception as exc:
-                    problem = f"{type(exc).__name__}: {str(exc)[:200]}"
-                if problem:
-                    a.problem = f"step check: {problem}"
+                    ms, method = timer(steps[a.label][1])
+                except Exception as exc:   # e.g. a step that cannot be captured: out
+                    a.problem = f"timing: {type(exc).__name__}: {str(exc)[:200]}"
+                    a.step_ms.clear()
                     continue
-                steps[a.label] = (t, fn)
-            if "current" not in steps:
-                d = Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
-                             f"not judged: the current step fails ({alts[0].problem})", alternatives=alts)
-                decisions.append(d)
-                progress(f"{head}: {d.outcome}")
-                continue
-            order = [a for a in alts if a.label in steps]
-            for r in range(rounds):
-                shift = r % len(order)
-                for a in order[shift:] + order[:shift]:
-                    if a.problem:
-                        continue
-                    try:
-                        ms, method = timer(steps[a.label][1])
-                    except Exception as exc:   # e.g. a step that cannot be captured: out
-                        a.problem = f"timing: {type(exc).__name__}: {str(exc)[:200]}"
-                        a.step_ms.clear()
-                        continue
-                    a.step_ms.append(ms)
-            current = alts[0]
-            if current.problem:
-                d = Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
-                             f"not judged: the current step fails ({current.problem})", alternatives=alts)
-                decisions.append(d)
-                progress(f"{head}: {d.outcome}")
-                continue
-            base = current.median_ms
-            band = max(MIN_BAND, ((max(current.step_ms) - min(current.step_ms)) / min(current.step_ms))
-                       if current.step_ms and min(current.step_ms) > 0 else math.inf)
-            from kernelsearch.harness.timing import keep
-
-            rivals = [a for a in order if a.label != "current" and not a.problem and math.isfinite(a.median_ms)]
-            best = min(rivals, key=lambda a: a.median_ms, default=None)
-            outcome, after = "kept", entry
-            if best is not None and keep(best.median_ms, base, band):
-                if _is_speed(method):
-                    outcome = "removed" if best.entry is None else "replaced"
-                    after = best.entry
-                    table = steps[best.label][0]
-                else:
-                    outcome = f"kept ({best.label} timed faster, but the timer is {method})"
-            d = Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, after, outcome,
-                         band=band, alternatives=alts, method=method)
-            if after is not None:
-                evidence = d.evidence()
-                stamped = after.replace(step=evidence)
-                table = with_entry(table, after, stamped)
-                d.after = stamped
+                a.step_ms.append(ms)
+        current = alts[0]
+        if current.problem:
+            d = Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
+                         f"not judged: the current step fails ({current.problem})", alternatives=alts)
             decisions.append(d)
-            progress(f"{head}: {d.describe()}")
-    finally:
-        if ledger is not None:
-            ledger.close()
-    result = JudgeResult(table, decisions, method, _is_speed(method))
+            progress(f"{head}: {d.outcome}")
+            continue
+        base = current.median_ms
+        band = max(MIN_BAND, ((max(current.step_ms) - min(current.step_ms)) / min(current.step_ms))
+                   if current.step_ms and min(current.step_ms) > 0 else math.inf)
+        from kernelsearch.harness.timing import keep
+
+        rivals = [a for a in order if a.label != "current" and not a.problem and math.isfinite(a.median_ms)]
+        best = min(rivals, key=lambda a: a.median_ms, default=None)
+        outcome, after = "kept", entry
+        if best is not None and keep(best.median_ms, base, band):
+            if _is_speed(method):
+                outcome = "removed" if best.entry is None else "replaced"
+                after = best.entry
+                table = steps[best.label][0]
+            else:
+                outcome = f"kept ({best.label} timed faster, but the times are {method})"
+        d = Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, after, outcome,
+                     band=band, alternatives=alts, method=method)
+        if after is not None:
+            evidence = d.evidence()
+            stamped = after.replace(step=evidence)
+            table = with_entry(table, after, stamped)
+            d.after = stamped
+        decisions.append(d)
+        progress(f"{head}: {d.describe()}")
+    result = JudgeResult(table, decisions, method, _is_speed(method), notes=notes)
     if any(d.changed for d in decisions):
         before, after = Alternative("as given", None), Alternative("as judged", None)
         try:
@@ -363,8 +377,15 @@ def write(path, result: JudgeResult) -> tuple[int, list[str]]:
     """Merge `result`'s decisions into the table file at `path` under its lock. An entry is
     replaced, removed or stamped only if the file still holds the entry that was judged (same
     key, source hash and params). -> (entries written, notes on what was left alone)."""
+    import errno
+
     from kernelsearch.dispatch import DispatchTable
 
+    path = Path(path)
+    if path.is_symlink():   # saving replaces the name: the link would become a copy, its target stale
+        raise OSError(errno.ELOOP, "a symbolic link: the judged table is not written through it", str(path))
+    if not path.exists():   # the table it came from is gone: nothing to merge into
+        raise FileNotFoundError(errno.ENOENT, "no such file (removed since it was loaded)", str(path))
     notes, written = [], 0
     with DispatchTable.updating(path) as table:
         log = table.data.get("step_judged")

@@ -121,12 +121,15 @@ def test_leading_configs_are_the_ledgers_kept_ones_at_the_shape_within_the_margi
             row({"tile": "other-device"}, 0.0100, fingerprint="fp-other"),
             row({"tile": "other-dtype"}, 0.0100, dtype="float16"),
             row({"tile": "dtype-pinned"}, 0.0167, shape=dict(SHAPE, dtype="bfloat16")),
+            row({"tile": "no-stock-time"}, 0.0160, stock_ms=None),   # never compared with stock
         ])
-        got = stepjudge.leading(led, entry({"tile": "own"}), FP, top=3)
+    before = path.read_bytes()
+    got = stepjudge.leading(path, entry({"tile": "own"}), FP, top=3)
     assert [r["params"]["tile"] for r in got] == ["dtype-pinned", "b", "c"]
-    with Ledger(path) as led:
-        assert [r["params"]["tile"] for r in stepjudge.leading(led, entry({"tile": "own"}), FP, top=9)] == [
-            "dtype-pinned", "b", "c", "a"]
+    assert [r["params"]["tile"] for r in stepjudge.leading(path, entry({"tile": "own"}), FP, top=9)] == [
+        "dtype-pinned", "b", "c", "a"]
+    # only read: the file as it was, no -wal or -shm beside it
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["ledger.sqlite"]
 
 
 def test_an_alternative_faster_in_the_step_replaces_the_entry_with_the_evidence(ledger, plans):
@@ -195,7 +198,7 @@ def test_interpreter_times_change_nothing(ledger, plans):
     result = judge(table_of(entry({"tile": "splitk"})), {"splitk": 1.60, "swapab": 1.2, "wide": 1.3,
                                                          "stock": 1.1}, ledger, method=CPU)
     (d,) = result.decisions
-    assert d.outcome == f"kept ({stepjudge.STOCK} timed faster, but the timer is {CPU})"
+    assert d.outcome == f"kept ({stepjudge.STOCK} timed faster, but the times are {CPU})"
     assert not result.changes_applied and not d.changed
     assert result.table.lookup("linear_residual", SHAPE, "bfloat16").params["tile"] == "splitk"
 
@@ -304,13 +307,13 @@ def test_the_bench_judges_the_tuned_step_on_the_interpreter_and_changes_nothing(
     labels = [a["label"] for a in d["alternatives"]]
     assert labels == ["current", json.dumps(alt, sort_keys=True, separators=(",", ":")), stepjudge.STOCK]
     assert all(len(a["step_ms"]) == stepjudge.ROUNDS and not a.get("problem") for a in d["alternatives"])
-    assert judged["written"] == f"not written: the timer is {CPU}, not a speed"
+    assert judged["written"] == f"not written: the judge's times are {CPU}"
     assert table.read_text() == before
     tuned = next(r for r in doc["decode"] if r["variant"] == "tuned")
     assert tuned["status"] == "ok" and tuned["kernels"]["swiglu"].startswith("tuned kernelsearch.kernels.swiglu")
     assert "step judge 1/1 swiglu" in proc.stderr
     from daemon.bench.run import format_table
-    assert (f"step judge 2x16: 0 of 1 entries changed (not written: the timer is {CPU}, not a speed)"
+    assert (f"step judge 2x16: 0 of 1 entries changed (not written: the judge's times are {CPU})"
             in format_table(doc).splitlines())
 
 
@@ -367,7 +370,7 @@ def test_ledger_rows_of_another_form_are_not_alternatives(tmp_path):
         led.record([row(["not", "a", "dict"], 0.0166), row({"tile": "ok"}, 0.0166),
                     row({"tile": "zero"}, 0.0), row({"tile": "negative"}, -1.0),
                     row({"tile": "nan"}, float("nan"))])
-        assert [r["params"] for r in stepjudge.leading(led, entry({"tile": "own"}), FP)] == [{"tile": "ok"}]
+    assert [r["params"] for r in stepjudge.leading(path, entry({"tile": "own"}), FP)] == [{"tile": "ok"}]
 
 
 def _bench_judge(tmp_path, monkeypatch, table_path, applied=True):
@@ -385,8 +388,8 @@ def _bench_judge(tmp_path, monkeypatch, table_path, applied=True):
     after = before.replace(params={"tile": "judged"})
     seen = {}
 
-    def fake_judge(t, *, make_step, calls, device, ledger_path, check, progress, reps):
-        seen.update(calls=calls, ledger=ledger_path, step=make_step(t))
+    def fake_judge(t, *, make_step, calls, device, ledger_path, check, progress, reps, deadline):
+        seen.update(calls=calls, ledger=ledger_path, step=make_step(t), deadline=deadline)
         if applied is None:
             return stepjudge.JudgeResult(t, [], "", False)
         d = stepjudge.Decision(before.kernel, before.dtype, dict(before.shape), before, after, "replaced",
@@ -409,6 +412,8 @@ def test_the_bench_writes_a_cuda_judgement_back_to_the_table_file(tmp_path, monk
     got, record, seen = _bench_judge(tmp_path, monkeypatch, path)
     assert seen["calls"] == []                    # the tiny step routes nothing to this table
     assert str(seen["ledger"]).endswith("state/ledger.sqlite") and callable(seen["step"])
+    import time
+    assert 0 < seen["deadline"] - time.monotonic() <= 270    # the bench's own --budget-s
     assert got.entries[0].params["tile"] == "judged"
     assert record["status"] == "ok" and record["written"] == f"1 decision(s) written to {path}"
     assert json.loads(path.read_text())["entries"][0]["params"] == {"tile": "judged"}
@@ -432,11 +437,75 @@ def test_interpreter_judgements_are_not_written(tmp_path, monkeypatch):
     DispatchTable({"format": 1, "fingerprint_id": FP, "entries": [entry({"tile": "splitk"})]}).save(path)
     before = path.read_text()
     _, record, _ = _bench_judge(tmp_path, monkeypatch, path, applied=False)
-    assert record["written"] == f"not written: the timer is {CPU}, not a speed" and path.read_text() == before
+    assert record["written"] == f"not written: the judge's times are {CPU}" and path.read_text() == before
 
 
 def test_a_step_that_routes_no_entry_says_so(tmp_path, monkeypatch):
     path = tmp_path / "dispatch.json"
     DispatchTable({"format": 1, "fingerprint_id": FP, "entries": [entry({"tile": "splitk"})]}).save(path)
     _, record, _ = _bench_judge(tmp_path, monkeypatch, path, applied=None)
-    assert record["written"] == "nothing to judge: the step routes no table entry"
+    assert record["written"].startswith("nothing to judge: the step routes none of the table's entries")
+
+
+def test_an_unreadable_ledger_is_named_and_stock_is_still_tried(tmp_path, plans):
+    path = tmp_path / "ledger.sqlite"
+    path.write_bytes(b"not a database" * 100)
+    lines = []
+    make_step, timer = step_model({"splitk": 1.60, "stock": 1.50})
+    result = stepjudge.judge(table_of(entry({"tile": "splitk"})), make_step=make_step,
+                             calls=[("linear_residual", SHAPE, "bfloat16")], device="cuda", ledger_path=path,
+                             timer=timer, progress=lines.append)
+    assert result.notes == [f"ledger {path} not read: DatabaseError: file is not a database"]
+    assert f"step judge: {result.notes[0]}" in lines
+    assert result.decisions[0].outcome == "removed" and result.to_json()["notes"] == result.notes
+
+
+def test_no_entry_is_started_after_the_deadline(ledger, plans):
+    import time
+
+    make_step, timer = step_model({"splitk": 1.60, "swapab": 1.0, "wide": 1.0, "stock": 1.0})
+    result = stepjudge.judge(table_of(entry({"tile": "splitk"})), make_step=make_step,
+                             calls=[("linear_residual", SHAPE, "bfloat16")], device="cuda", ledger_path=ledger,
+                             timer=timer, deadline=time.monotonic() - 1)
+    assert [d.outcome for d in result.decisions] == ["not judged: time budget"] and result.method == ""
+    assert plans == []
+
+
+def test_write_refuses_a_symlink_and_a_file_gone_and_leaves_both_as_they_are(tmp_path, ledger, plans):
+    target = tmp_path / "real.json"
+    cur = entry({"tile": "splitk"})
+    DispatchTable({"format": 1, "fingerprint_id": FP, "entries": [cur]}).save(target)
+    before = target.read_text()
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    result = judge(table_of(cur), {"splitk": 1.60, "swapab": 1.56, "wide": 1.58, "stock": 1.7}, ledger)
+    with pytest.raises(OSError, match="a symbolic link"):
+        stepjudge.write(link, result)
+    assert link.is_symlink() and target.read_text() == before
+    with pytest.raises(FileNotFoundError, match="removed since it was loaded"):
+        stepjudge.write(tmp_path / "gone.json", result)
+    assert not (tmp_path / "gone.json").exists()
+
+
+def test_the_bench_runs_on_when_the_table_file_is_broken_at_write_time(tmp_path, monkeypatch):
+    path = tmp_path / "dispatch.json"
+    DispatchTable({"format": 1, "fingerprint_id": FP, "entries": [entry({"tile": "splitk"})]}).save(path)
+    real_write = stepjudge.write
+
+    def broken_meanwhile(p, result):
+        p.write_text("{ not json")
+        return real_write(p, result)
+    monkeypatch.setattr(stepjudge, "write", broken_meanwhile)
+    got, record, _ = _bench_judge(tmp_path, monkeypatch, path)
+    assert record["written"].startswith(f"not written to {path}: JSONDecodeError")
+    assert got.entries[0].params["tile"] == "judged" and path.read_text() == "{ not json"
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: d / "missing.json", "no such file (--judge-in-step writes"),
+    (lambda d: d, "a directory, not a dispatch table file"),
+])
+def test_a_table_that_is_not_a_file_is_refused(tmp_path, hwtune_cli, make, message):
+    proc = hwtune_cli("--state-dir", tmp_path / "state", "bench", "--device", "cpu", "--judge-in-step",
+                      "--table", make(tmp_path))
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

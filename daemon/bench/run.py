@@ -487,7 +487,8 @@ class Bench:
             with pdl(TUNED_VARIANTS["tuned"][1]):
                 result = stepjudge.judge(table, make_step=make_step, calls=calls, device=self.opts.device,
                                          ledger_path=ledger, check=check, progress=log,
-                                         reps=JUDGE_REPS if self.cuda else None)
+                                         reps=JUDGE_REPS if self.cuda else None,
+                                         deadline=self.t0 + self.opts.budget_s)
         except Exception as exc:  # the rows still run, on the table as it was
             section[key] = {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}",
                             "traceback": traceback.format_exc(limit=6)[-2000:]}
@@ -497,9 +498,12 @@ class Bench:
                   "ledger": str(ledger) if ledger is not None and ledger.exists() else None}
         changed = [d for d in result.decisions if d.changed]
         if not result.decisions:
-            record["written"] = "nothing to judge: the step routes no table entry"
+            record["written"] = ("nothing to judge: the step routes none of the table's entries at this "
+                                 "shape (none there, or none that routes: see the tuned row's kernels)")
+        elif not result.method:
+            record["written"] = "not written: no entry was judged (see the decisions)"
         elif not result.changes_applied:
-            record["written"] = f"not written: the timer is {result.method or 'none'}, not a speed"
+            record["written"] = f"not written: the judge's times are {result.method}"
         elif table.path is None:
             record["written"] = "not written: the table has no file (judged for this run only)"
         else:
@@ -507,8 +511,9 @@ class Bench:
                 n, notes = stepjudge.write(table.path, result)
                 record["written"] = f"{n} decision(s) written to {table.path}" + (
                     f"; {'; '.join(notes)}" if notes else "")
-            except OSError as exc:   # the rows still run on the judged table
-                record["written"] = f"not written to {table.path}: {exc.strerror or exc}"
+            except (OSError, ValueError) as exc:   # the rows still run on the judged table
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+                record["written"] = f"not written to {table.path}: {why}"
         section[key] = record
         log(f"step judge {key}: {len(changed)} of {len(result.decisions)} entries changed ({record['written']})")
         return result.table
