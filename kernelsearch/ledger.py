@@ -199,13 +199,17 @@ class Ledger:
 
 def read_accepted(path, *, kernel: str, fingerprint: str, dtype: str, source_hash: str) -> list[dict]:
     """The accepted attempts of one kernel's source on one fingerprint and dtype, in id order,
-    read without writing anything: SQLite's immutable mode takes no lock and makes no -wal or
-    -shm file (a search writing meanwhile may be missed or read as an error). Raises
-    sqlite3.Error where the file is not a readable ledger; a row whose JSON does not parse is
-    left out."""
+    read without writing anything. Without a -wal file beside it (every writer closed), SQLite's
+    immutable mode: no lock, no -wal or -shm made (a search writing meanwhile may be missed or
+    read as an error). With one (a writer still open, or killed before its checkpoint), a plain
+    read-only connection, which reads the rows still in the -wal through the -shm already there.
+    Raises sqlite3.Error where the file is not a readable ledger; a row whose JSON does not
+    parse is left out."""
     from urllib.parse import quote
 
-    uri = f"file:{quote(str(Path(path).resolve()))}?mode=ro&immutable=1"
+    path = Path(path).resolve()
+    wal = path.with_name(path.name + "-wal").exists()
+    uri = f"file:{quote(str(path))}?mode=ro" + ("" if wal else "&immutable=1")
     db = sqlite3.connect(uri, uri=True)
     try:
         db.row_factory = sqlite3.Row

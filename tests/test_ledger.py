@@ -72,3 +72,45 @@ def test_code_version_changes_when_harness_source_changes(tmp_path):
     before = code_version(tmp_path)
     (tmp_path / "harness" / "timing.py").write_text("A = 2\n")
     assert code_version(tmp_path) != before
+
+
+def _files(d):
+    """Each file's bytes; the -shm (SQLite's shared-memory index, which any reader of a WAL
+    database updates) by name only."""
+    return {p.name: None if p.name.endswith("-shm") else p.read_bytes() for p in d.iterdir()}
+
+
+def test_read_accepted_only_reads_and_sees_rows_a_killed_writer_left_in_the_wal(tmp_path):
+    import subprocess
+    import sys
+
+    import pytest
+
+    from kernelsearch.ledger import read_accepted
+    from tests.conftest import ROOT
+
+    path = tmp_path / "ledger.sqlite"
+    want = dict(kernel="rmsnorm", fingerprint="cpu-1234", dtype="bfloat16", source_hash="abc")
+    with Ledger(path) as ledger:
+        ledger.record([_row(), _row(accepted=False), _row(dtype="float16"), _row(source_hash="x"),
+                       _row(params={"BLOCK_N": 512, "num_warps": 4})])
+        ledger.db.execute("UPDATE attempts SET params='{not json' WHERE id=5")
+        ledger.db.commit()
+    before = _files(tmp_path)
+    assert [r["params"] for r in read_accepted(path, **want)] == [{"BLOCK_N": 256, "num_warps": 4}]
+    assert _files(tmp_path) == before               # no lock, no -wal or -shm made
+    # a writer killed before its checkpoint: its rows are in the -wal, and are read
+    code = (f"import os, sys; sys.path.insert(0, {str(ROOT)!r})\n"
+            "from kernelsearch.ledger import Ledger\n"
+            "from tests.test_ledger import _row\n"
+            f"Ledger({str(path)!r}).record([_row(candidate_ms=0.5)])\n"
+            "os._exit(0)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    assert (tmp_path / "ledger.sqlite-wal").exists()
+    before = _files(tmp_path)
+    assert [r["candidate_ms"] for r in read_accepted(path, **want)] == [0.010, 0.5]
+    assert _files(tmp_path) == before
+    (tmp_path / "junk.sqlite").write_bytes(b"junk" * 100)
+    with pytest.raises(sqlite3.DatabaseError):
+        read_accepted(tmp_path / "junk.sqlite", **want)
+    assert not any(p.name.startswith("junk.sqlite-") for p in tmp_path.iterdir())
