@@ -323,8 +323,8 @@ Q)
   echo "attention search rc=$?"
   cp $ST/dispatch/*.json "$OUT/dispatch.json"
   cp "$OUT/dispatch.json" "$OUT/dispatch-judged.json"
-  timeout ${JUDGE_S:-240} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $((${JUDGE_S:-240} - 10)) \
+  timeout ${JUDGE_S:-260} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $((${JUDGE_S:-260} - 10)) \
       --energy-window-s 0 --table "$OUT/dispatch-judged.json" --out "$OUT/j"
   echo "judge rc=$?"
   cp "$OUT/j/results.json" "$OUT/q-judge.json"; rm -rf "$OUT/j" "$OUT/dispatch-judged.json.lock"

@@ -413,7 +413,7 @@ def test_the_bench_writes_a_cuda_judgement_back_to_the_table_file(tmp_path, monk
     assert seen["calls"] == []                    # the tiny step routes nothing to this table
     assert str(seen["ledger"]).endswith("state/ledger.sqlite") and callable(seen["step"])
     import time
-    assert 0 < seen["deadline"] - time.monotonic() <= 270    # the bench's own --budget-s
+    assert 0 < seen["deadline"] - time.monotonic() <= 270 - 30   # the bench's --budget-s, less the rows' share
     assert got.entries[0].params["tile"] == "judged"
     assert record["status"] == "ok" and record["written"] == f"1 decision(s) written to {path}"
     assert json.loads(path.read_text())["entries"][0]["params"] == {"tile": "judged"}

@@ -57,6 +57,7 @@ SEARCH_SHARE = 0.5
 # shape needs left to start (plans of the ledger's configs, a capture and 3 rounds an alternative)
 JUDGE_REPS = 50
 JUDGE_MIN_S = 60
+JUDGE_RESERVE_S = 30   # no entry is judged in the budget's last seconds: the rows still run
 
 
 def log(msg: str) -> None:
@@ -488,7 +489,7 @@ class Bench:
                 result = stepjudge.judge(table, make_step=make_step, calls=calls, device=self.opts.device,
                                          ledger_path=ledger, check=check, progress=log,
                                          reps=JUDGE_REPS if self.cuda else None,
-                                         deadline=self.t0 + self.opts.budget_s)
+                                         deadline=self.t0 + self.opts.budget_s - JUDGE_RESERVE_S)
         except Exception as exc:  # the rows still run, on the table as it was
             section[key] = {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}",
                             "traceback": traceback.format_exc(limit=6)[-2000:]}
