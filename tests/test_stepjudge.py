@@ -265,34 +265,44 @@ import json, sys
 from pathlib import Path
 from kernelsearch.ledger import Ledger
 from daemon.bench.model import PRESETS
-from kernelsearch.kernels.swiglu import CONFIGS
+from kernelsearch.kernels import load_template
 from tests.tuned_tables import verified_table
 
-table_path, state = Path(sys.argv[1]), Path(sys.argv[2])
-shape = {"M": 2, "I": PRESETS["tiny"].ffn}
-table = verified_table([("swiglu", shape, "float32", CONFIGS[0])])
+kernel, table_path, state = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+cfg = PRESETS["tiny"]
+# swiglu: the unfused step's; linear_residual: the fused o projection + residual add, whose
+# stock is the unfused path (linear, then the add)
+shape = {"swiglu": {"M": 2, "I": cfg.ffn},
+         "linear_residual": {"M": 2, "K": cfg.heads * cfg.head_dim, "N": cfg.hidden}}[kernel]
+configs = load_template(kernel).CONFIGS
+first = configs[0]
+alt = next(p for p in configs[1:] if p.get("variant") == first.get("variant")
+           and p.get("num_warps") != first.get("num_warps"))
+table = verified_table([(kernel, shape, "float32", first)])
 table.save(table_path)
 e = table.entries[0]
-alt = next(p for p in CONFIGS[1:] if p["BLOCK"] == 256)
 with Ledger(state / "ledger.sqlite") as led:
-    led.record([{"run_id": "r", "kernel": "swiglu", "dtype": "float32", "shape": shape, "strategy": "grid",
+    led.record([{"run_id": "r", "kernel": kernel, "dtype": "float32", "shape": shape, "strategy": "grid",
                  "source": "{}", "source_hash": e.source_hash, "params": p, "accepted": True, "guard": None,
                  "reason": "", "candidate_ms": ms, "stock_ms": 1.0, "noise_band": 0.01, "flops": 0,
                  "bytes": 0, "fingerprint": table.data["fingerprint_id"], "fingerprint_json": {},
-                 "code_version": "c"} for p, ms in ((CONFIGS[0], 0.5), (alt, 0.51))])
+                 "code_version": "c"} for p, ms in ((first, 0.5), (alt, 0.51))])
 print(json.dumps({"alt": alt}))
 '''
 
 
-def test_the_bench_judges_the_tuned_step_on_the_interpreter_and_changes_nothing(tmp_path, hwtune_cli):
-    """End to end on the CPU: a harness-verified swiglu entry, one more config of it in the ledger;
-    the sandbox plans it, both steps and stock's run and match stock's logits, are timed by the
-    interpreter, and the table is left as it was (those times are not a speed)."""
+@pytest.mark.parametrize("kernel, label", [("swiglu", "swiglu"), ("linear_residual", "linear_residual o")])
+def test_the_bench_judges_the_tuned_step_on_the_interpreter_and_changes_nothing(tmp_path, hwtune_cli, kernel,
+                                                                                label):
+    """End to end on the CPU: a harness-verified entry (unfused, or fused: its stock is then the
+    unfused path), one more config of it in the ledger; the sandbox plans it, both steps and
+    stock's run and match stock's logits, are timed by the interpreter, and the table is left as
+    it was (those times are not a speed)."""
     state, table = tmp_path / "state", tmp_path / "table.json"
     state.mkdir()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(table), str(state)], cwd=ROOT, env=env, text=True,
-                          capture_output=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", CHILD, kernel, str(table), str(state)], cwd=ROOT, env=env,
+                          text=True, capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     alt = json.loads(proc.stdout.strip().splitlines()[-1])["alt"]
     before = table.read_text()
@@ -303,15 +313,15 @@ def test_the_bench_judges_the_tuned_step_on_the_interpreter_and_changes_nothing(
     judged = doc["step_judge"]["2x16"]
     assert judged["status"] == "ok" and judged["changes_applied"] is False, judged
     (d,) = judged["decisions"]
-    assert d["kernel"] == "swiglu" and d["outcome"].startswith("kept")
+    assert d["kernel"] == kernel and d["outcome"].startswith("kept")
     labels = [a["label"] for a in d["alternatives"]]
     assert labels == ["current", json.dumps(alt, sort_keys=True, separators=(",", ":")), stepjudge.STOCK]
     assert all(len(a["step_ms"]) == stepjudge.ROUNDS and not a.get("problem") for a in d["alternatives"])
     assert judged["written"] == f"not written: the judge's times are {CPU}"
     assert table.read_text() == before
     tuned = next(r for r in doc["decode"] if r["variant"] == "tuned")
-    assert tuned["status"] == "ok" and tuned["kernels"]["swiglu"].startswith("tuned kernelsearch.kernels.swiglu")
-    assert "step judge 1/1 swiglu" in proc.stderr
+    assert tuned["status"] == "ok" and tuned["kernels"][label].startswith(f"tuned kernelsearch.kernels.{kernel}")
+    assert f"step judge 1/1 {kernel}" in proc.stderr
     from daemon.bench.run import format_table
     assert (f"step judge 2x16: 0 of 1 entries changed (not written: the judge's times are {CPU})"
             in format_table(doc).splitlines())
