@@ -109,9 +109,9 @@ def test_leading_configs_are_the_ledgers_kept_ones_at_the_shape_within_the_margi
     with Ledger(path) as led:
         led.record([
             row({"tile": "own"}, 0.0150),                       # the entry's own params: left out
-            row({"tile": "a"}, 0.0180), row({"tile": "a"}, 0.0170),   # the latest attempt counts
+            row({"tile": "a"}, 0.0160), row({"tile": "a"}, 0.0170),   # the latest attempt counts: beyond top=3
             row({"tile": "b"}, 0.0168),
-            row({"tile": "c"}, 0.0169),                         # beyond top=2
+            row({"tile": "c"}, 0.0169),
             row({"tile": "slow"}, 0.0210),                      # outside 25% of the entry's 0.0166
             row({"tile": "rejected"}, 0.0100, accepted=False),
             row({"tile": "not-kept"}, 0.0160, stock_ms=0.0161),  # within the noise band of stock
