@@ -511,11 +511,15 @@ def test_the_bench_runs_on_when_the_table_file_is_broken_at_write_time(tmp_path,
     assert got.entries[0].params["tile"] == "judged" and path.read_text() == "{ not json"
 
 
+@pytest.mark.parametrize("model", ["builtin", "hf-llama"])
 @pytest.mark.parametrize("make, message", [
-    (lambda d: d / "missing.json", "no such file (--judge-in-step writes"),
+    (lambda d: d / "missing.json", "missing.json: no such file"),
     (lambda d: d, "a directory, not a dispatch table file"),
 ])
-def test_a_table_that_is_not_a_file_is_refused(tmp_path, hwtune_cli, make, message):
-    proc = hwtune_cli("--state-dir", tmp_path / "state", "bench", "--device", "cpu", "--judge-in-step",
+def test_a_table_that_is_not_a_file_is_refused(tmp_path, hwtune_cli, make, message, model):
+    """Before any measuring, for every model: not a silent fall-back to the state directory's
+    table (built-in) or to stock (hf-llama), nor a traceback at the end."""
+    extra = ["--judge-in-step"] if model == "builtin" else []
+    proc = hwtune_cli("--state-dir", tmp_path / "state", "bench", "--device", "cpu", "--model", model, *extra,
                       "--table", make(tmp_path))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -111,9 +111,6 @@ def _models(args) -> tuple:
     if args.check < 1:
         raise UsageError(f"--check {args.check}: at least 1 compared step")
     if getattr(args, "judge_in_step", False):
-        if args.table is not None and not Path(args.table).is_file():
-            raise UsageError(f"--table {args.table}: no such file (--judge-in-step writes its judgement "
-                             "back to the table it judges)")
         if "builtin" not in models:
             raise UsageError("--judge-in-step judges the built-in model's step: add builtin to --model")
         if args.variants is not None and "tuned" not in [v.strip() for v in args.variants.split(",")]:
@@ -142,8 +139,11 @@ def run_bench(args, ctx) -> int:
 
     if args.search_evals < 1:
         raise UsageError(f"--search-evals {args.search_evals}: at least 1 evaluation per kernel")
-    if args.table is not None and Path(args.table).is_dir():
-        raise UsageError(f"--table {args.table}: a directory, not a dispatch table file")
+    if args.table is not None and not args.from_results:
+        if Path(args.table).is_dir():
+            raise UsageError(f"--table {args.table}: a directory, not a dispatch table file")
+        if not Path(args.table).exists():   # not a different table in its place, silently
+            raise UsageError(f"--table {args.table}: no such file")
     if args.steps < 20:
         raise UsageError(f"--steps {args.steps}: at least 20 steps for a median")
     baseline = _load_json(args.baseline, "--baseline") if args.baseline else None
