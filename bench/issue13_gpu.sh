@@ -90,6 +90,14 @@ search_projections() {  # search_projections TABLE JSON: TABLE less the three fu
   echo "projection search rc=$?"
   cp $ST/dispatch/*.json "$OUT/dispatch.json"
 }
+search_attention() {  # search_attention TABLE EVALS BUDGET_S TIMEOUT_S JSON: $ST's table = TABLE less
+  # rope_kv_attention, that searched again at batch 1 and 32 (-> $OUT/dispatch.json; the search's JSON to JSON)
+  seed_table "$1" rope_kv_attention
+  timeout $4 python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels rope_kv_attention --budget-s $3 --evals $2 --json "$5"
+  echo "attention search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+}
 step_rows() {  # step_rows TABLE VARIANTS FILE [TIMEOUT_S]: the built-in rows on TABLE (no energy
   # window; killed after TIMEOUT_S, default 100, the bench's budget 10 s less) -> $OUT/FILE; the bench's rc
   local s=${4:-100} rc
@@ -288,11 +296,7 @@ O)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
   export HWTUNE_PDL_EARLY=0 HWTUNE_PDL_TRIGGER=late
-  seed_table "$table" rope_kv_attention
-  timeout ${SEARCH_S:-280} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
-      --kernels rope_kv_attention --budget-s ${BUDGET:-250} --evals ${EVALS:-132} --json /tmp/o-search.json
-  echo "attention search rc=$?"
-  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+  search_attention "$table" ${EVALS:-132} ${BUDGET:-250} ${SEARCH_S:-280} /tmp/o-search.json
   for which in new given; do
     t=$OUT/dispatch.json; [ $which = given ] && t=$table
     step_rows "$t" tuned-nopdl,tuned "o-$which.json"
@@ -317,11 +321,7 @@ Q)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
   SEARCH_S=${SEARCH_S:-170} BUDGET=${BUDGET:-140} search_projections "$table" /tmp/q-search.json  # seeds $ST
-  seed_table "$OUT/dispatch.json" rope_kv_attention
-  timeout ${ATTN_S:-80} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
-      --kernels rope_kv_attention --budget-s ${ATTN_BUDGET:-60} --evals ${ATTN_EVALS:-24} --json /tmp/q-attn.json
-  echo "attention search rc=$?"
-  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+  search_attention "$OUT/dispatch.json" ${ATTN_EVALS:-24} ${ATTN_BUDGET:-60} ${ATTN_S:-80} /tmp/q-attn.json
   cp "$OUT/dispatch.json" "$OUT/dispatch-judged.json"
   timeout ${JUDGE_S:-260} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
       --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $((${JUDGE_S:-260} - 10)) \
