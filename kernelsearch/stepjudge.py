@@ -239,6 +239,8 @@ def judge(table, *, make_step: Callable, calls, device: str, ledger_path=None, t
     method)` replaces the harness's timer (tests only)."""
     import sqlite3
 
+    from kernelsearch.harness.timing import keep
+
     timer = timer or (lambda fn: _time_ms(fn, device, reps))
     rounds = max(1, int(rounds))
     fp_id = table.data.get("fingerprint_id")
@@ -260,20 +262,20 @@ def judge(table, *, make_step: Callable, calls, device: str, ledger_path=None, t
         entry = table.lookup(entry.kernel, _dims(entry.shape), entry.dtype)
         head = f"step judge {n}/{len(judged)} {entry.kernel} " + " ".join(
             f"{k}={v}" for k, v in _dims(entry.shape).items())
-        if deadline is not None and time.monotonic() > deadline:
+
+        def not_judged(why: str, alternatives=()):
             decisions.append(Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
-                                      "not judged: time budget"))
+                                      f"not judged: {why}", alternatives=list(alternatives)))
             progress(f"{head}: {decisions[-1].outcome}")
+
+        if deadline is not None and time.monotonic() > deadline:
+            not_judged("time budget")
             continue
         if entry.range is not None:
-            decisions.append(Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
-                                      "not judged: an entry with a range (one plan a shape)"))
-            progress(f"{head}: {decisions[-1].outcome}")
+            not_judged("an entry with a range (one plan a shape)")
             continue
         if not table.usable(entry):
-            decisions.append(Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
-                                      "not judged: the entry does not route (source changed or plan invalid)"))
-            progress(f"{head}: {decisions[-1].outcome}")
+            not_judged("the entry does not route (source changed or plan invalid)")
             continue
         alts = [Alternative("current", entry, entry.candidate_ms)]
         rows = []
@@ -306,10 +308,7 @@ def judge(table, *, make_step: Callable, calls, device: str, ledger_path=None, t
                 continue
             steps[a.label] = (t, fn)
         if "current" not in steps:
-            d = Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
-                         f"not judged: the current step fails ({alts[0].problem})", alternatives=alts)
-            decisions.append(d)
-            progress(f"{head}: {d.outcome}")
+            not_judged(f"the current step fails ({alts[0].problem})", alts)
             continue
         order = [a for a in alts if a.label in steps]
         for r in range(rounds):
@@ -326,16 +325,11 @@ def judge(table, *, make_step: Callable, calls, device: str, ledger_path=None, t
                 a.step_ms.append(ms)
         current = alts[0]
         if current.problem:
-            d = Decision(entry.kernel, entry.dtype, _dims(entry.shape), entry, entry,
-                         f"not judged: the current step fails ({current.problem})", alternatives=alts)
-            decisions.append(d)
-            progress(f"{head}: {d.outcome}")
+            not_judged(f"the current step fails ({current.problem})", alts)
             continue
         base = current.median_ms
         band = max(MIN_BAND, ((max(current.step_ms) - min(current.step_ms)) / min(current.step_ms))
                    if current.step_ms and min(current.step_ms) > 0 else math.inf)
-        from kernelsearch.harness.timing import keep
-
         rivals = [a for a in order if a.label != "current" and not a.problem and math.isfinite(a.median_ms)]
         best = min(rivals, key=lambda a: a.median_ms, default=None)
         outcome, after = "kept", entry

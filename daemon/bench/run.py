@@ -456,16 +456,15 @@ class Bench:
 
         key = f"{batch}x{ctx}"
         section = doc.setdefault("step_judge", {})
+        why = None
         if table is None:
-            section[key] = {"status": f"not run: no dispatch table ({table_note})"}
-            log(f"step judge {key}: {section[key]['status']}")
-            return table
-        if not self.cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            section[key] = {"status": "not run: cpu without TRITON_INTERPRET=1 (the table's kernels cannot run)"}
-            log(f"step judge {key}: {section[key]['status']}")
-            return table
-        if self.left_s() < JUDGE_MIN_S:
-            section[key] = {"status": f"not run: under {JUDGE_MIN_S} s of the budget left"}
+            why = f"no dispatch table ({table_note})"
+        elif not self.cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            why = "cpu without TRITON_INTERPRET=1 (the table's kernels cannot run)"
+        elif self.left_s() < JUDGE_MIN_S:
+            why = f"under {JUDGE_MIN_S} s of the budget left"
+        if why:
+            section[key] = {"status": f"not run: {why}"}
             log(f"step judge {key}: {section[key]['status']}")
             return table
         cfg, dt = model.cfg, DTYPE_NAMES[model.dtype]
