@@ -65,6 +65,11 @@
 #                                        breakdown on JUDGED
 #   bench/issue13_gpu.sh S SEARCHED JUDGED   the hf-llama rows (hf compiled, unfused, patched) on SEARCHED,
 #                                        then on JUDGED: the judgement in the user's model
+#   bench/issue13_gpu.sh T SEARCHED LEDGER   the judge on a copy of SEARCHED with LEDGER as the state
+#                                        directory's ledger ($OUT/dispatch-judged.json, t-judge.json), then
+#                                        the built-in rows (tuned-nopdl, tuned) on SEARCHED, JUDGED, SEARCHED,
+#                                        JUDGED, the hf-llama rows (hf compiled, patched) on both (all rows in
+#                                        rows.json), then the gap breakdown on JUDGED
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -321,14 +326,16 @@ Q)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
   SEARCH_S=${SEARCH_S:-170} BUDGET=${BUDGET:-140} search_projections "$table" /tmp/q-search.json  # seeds $ST
-  search_attention "$OUT/dispatch.json" ${ATTN_EVALS:-24} ${ATTN_BUDGET:-60} ${ATTN_S:-80} /tmp/q-attn.json
+  search_attention "$OUT/dispatch.json" ${ATTN_EVALS:-24} ${ATTN_BUDGET:-60} ${ATTN_S:-150} /tmp/q-attn.json
   cp "$OUT/dispatch.json" "$OUT/dispatch-judged.json"
   timeout ${JUDGE_S:-260} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
       --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $((${JUDGE_S:-260} - 10)) \
       --energy-window-s 0 --table "$OUT/dispatch-judged.json" --out "$OUT/j"
   echo "judge rc=$?"
   cp "$OUT/j/results.json" "$OUT/q-judge.json"; rm -rf "$OUT/j" "$OUT/dispatch-judged.json.lock"
-  cp $ST/ledger.sqlite "$OUT/ledger.sqlite" ;;
+  # a search killed by its timeout leaves its rows in the -wal: a backup copies them too
+  python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
+      $ST/ledger.sqlite "$OUT/ledger.sqlite" ;;
 R)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
@@ -352,6 +359,39 @@ S)
     echo "hf table $which rc=$?"
     cp "$OUT/hf/results.json" "$OUT/s-$which.json"; rm -rf "$OUT/hf"
   done ;;
+T)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  ledger=${3:?usage: issue13_gpu.sh T SEARCHED LEDGER}
+  mkdir -p $ST; cp "$ledger" $ST/ledger.sqlite
+  judged=$OUT/dispatch-judged.json; cp "$table" "$judged"
+  timeout ${JUDGE_S:-200} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $((${JUDGE_S:-200} - 10)) \
+      --energy-window-s 0 --table "$judged" --out "$OUT/j"
+  echo "judge rc=$?"
+  cp "$OUT/j/results.json" "$OUT/t-judge.json"; rm -rf "$OUT/j" "$judged.lock"
+  mkdir -p /tmp/rows; n=0
+  for t in "$table" "$judged" "$table" "$judged"; do
+    n=$((n + 1)); which=searched; [ "$t" = "$judged" ] && which=judged
+    step_rows "$t" tuned-nopdl,tuned "r-$n-$which.json" 60
+    echo "table $which rc=$?"; mv "$OUT/r-$n-$which.json" /tmp/rows/ 2>/dev/null
+  done
+  for which in searched judged; do
+    t=$table; [ $which = judged ] && t=$judged
+    timeout 130 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
+        --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune --budget-s 120 --steps 32 \
+        --warmup 4 --check 4 --energy-window-s 0 --table "$t" --out "$OUT/hf"
+    echo "hf table $which rc=$?"
+    cp "$OUT/hf/results.json" "/tmp/rows/s-$which.json"; rm -rf "$OUT/hf"
+  done
+  python3 - "$OUT/rows.json" /tmp/rows/*.json <<'PY'
+import json, sys
+from pathlib import Path
+out = {Path(f).stem: json.loads(Path(f).read_text()) for f in sys.argv[2:]}
+Path(sys.argv[1]).write_text(json.dumps(out))
+print(f"rows.json: {', '.join(out)}")
+PY
+  gap_rows "$judged" 120 ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1
