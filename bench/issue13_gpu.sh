@@ -70,6 +70,10 @@
 #                                        the built-in rows (tuned-nopdl, tuned) on SEARCHED, JUDGED, SEARCHED,
 #                                        JUDGED, the hf-llama rows (hf compiled, patched) on both (all rows in
 #                                        rows.json), then the gap breakdown on JUDGED
+#   bench/issue13_gpu.sh U JUDGED LEDGER     JUDGED less rope_kv_attention, that searched again into LEDGER's
+#                                        copy (ATTN_EVALS, default 40, stopped at ATTN_BUDGET s), then the judge
+#                                        on it ($OUT/dispatch-judged.json, u-judge.json), then the built-in rows
+#                                        (tuned-nopdl, tuned) on JUDGED and on the new table, twice (rows.json)
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -132,6 +136,31 @@ model_rows() {  # model_rows TABLE: built-in rows, hf-llama rows, gap breakdown,
   echo "hf bench rc=$?"
   cp "$OUT/hf/results.json" "$OUT/hf-results.json"; rm -rf "$OUT/hf"
   gap_rows "$1" 220
+}
+judge_step() {  # judge_step TABLE TIMEOUT_S JSON: `hwtune bench --judge-in-step` (tuned rows) on TABLE,
+  # judged and written back in place; the bench's results to JSON
+  timeout $2 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $(($2 - 10)) \
+      --energy-window-s 0 --table "$1" --out "$OUT/j"
+  echo "judge rc=$?"
+  cp "$OUT/j/results.json" "$3"; rm -rf "$OUT/j" "$1.lock"
+}
+alternate_rows() {  # alternate_rows A B NAME_A NAME_B PREFIX DIR: the built-in rows (tuned-nopdl, tuned)
+  # on A, B, A, B (the same-run comparison) -> DIR/PREFIX-n-NAME.json
+  local n=0 t which
+  for t in "$1" "$2" "$1" "$2"; do
+    n=$((n + 1)); which=$3; [ "$t" = "$2" ] && which=$4
+    step_rows "$t" tuned-nopdl,tuned "$5-$n-$which.json" 60
+    echo "table $which rc=$?"; mv "$OUT/$5-$n-$which.json" "$6"/ 2>/dev/null
+  done
+}
+merge_rows() {  # merge_rows DIR: every DIR/*.json into $OUT/rows.json, keyed by file name (8 files)
+  python3 -c "import json, sys, pathlib; pathlib.Path(sys.argv[1]).write_text(json.dumps({pathlib.Path(f).stem: json.loads(pathlib.Path(f).read_text()) for f in sys.argv[2:]}))" \
+      "$OUT/rows.json" "$1"/*.json
+}
+backup_ledger() {  # a search killed by its timeout leaves its rows in the -wal: a backup copies them too
+  python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
+      $ST/ledger.sqlite "$OUT/ledger.sqlite"
 }
 seed_table() {  # seed_table TABLE [KERNEL,...]: $ST's table for this device = TABLE, less those kernels' entries
   python3 - "$1" "$ST" "${2:-}" <<'PY'
@@ -328,14 +357,8 @@ Q)
   SEARCH_S=${SEARCH_S:-170} BUDGET=${BUDGET:-140} search_projections "$table" /tmp/q-search.json  # seeds $ST
   search_attention "$OUT/dispatch.json" ${ATTN_EVALS:-24} ${ATTN_BUDGET:-60} ${ATTN_S:-150} /tmp/q-attn.json
   cp "$OUT/dispatch.json" "$OUT/dispatch-judged.json"
-  timeout ${JUDGE_S:-260} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $((${JUDGE_S:-260} - 10)) \
-      --energy-window-s 0 --table "$OUT/dispatch-judged.json" --out "$OUT/j"
-  echo "judge rc=$?"
-  cp "$OUT/j/results.json" "$OUT/q-judge.json"; rm -rf "$OUT/j" "$OUT/dispatch-judged.json.lock"
-  # a search killed by its timeout leaves its rows in the -wal: a backup copies them too
-  python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
-      $ST/ledger.sqlite "$OUT/ledger.sqlite" ;;
+  judge_step "$OUT/dispatch-judged.json" ${JUDGE_S:-260} "$OUT/q-judge.json"
+  backup_ledger ;;
 R)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
@@ -365,33 +388,31 @@ T)
   ledger=${3:?usage: issue13_gpu.sh T SEARCHED LEDGER}
   mkdir -p $ST; cp "$ledger" $ST/ledger.sqlite
   judged=$OUT/dispatch-judged.json; cp "$table" "$judged"
-  timeout ${JUDGE_S:-200} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $((${JUDGE_S:-200} - 10)) \
-      --energy-window-s 0 --table "$judged" --out "$OUT/j"
-  echo "judge rc=$?"
-  cp "$OUT/j/results.json" "$OUT/t-judge.json"; rm -rf "$OUT/j" "$judged.lock"
-  mkdir -p /tmp/rows; n=0
-  for t in "$table" "$judged" "$table" "$judged"; do
-    n=$((n + 1)); which=searched; [ "$t" = "$judged" ] && which=judged
-    step_rows "$t" tuned-nopdl,tuned "r-$n-$which.json" 60
-    echo "table $which rc=$?"; mv "$OUT/r-$n-$which.json" /tmp/rows/ 2>/dev/null
-  done
+  judge_step "$judged" ${JUDGE_S:-200} "$OUT/t-judge.json"
+  rows=$(mktemp -d)   # a warm machine keeps /tmp: never an earlier stage's rows
+  alternate_rows "$table" "$judged" searched judged r "$rows"
   for which in searched judged; do
     t=$table; [ $which = judged ] && t=$judged
     timeout 130 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
         --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune --budget-s 120 --steps 32 \
         --warmup 4 --check 4 --energy-window-s 0 --table "$t" --out "$OUT/hf"
     echo "hf table $which rc=$?"
-    cp "$OUT/hf/results.json" "/tmp/rows/s-$which.json"; rm -rf "$OUT/hf"
+    cp "$OUT/hf/results.json" "$rows/s-$which.json"; rm -rf "$OUT/hf"
   done
-  python3 - "$OUT/rows.json" /tmp/rows/*.json <<'PY'
-import json, sys
-from pathlib import Path
-out = {Path(f).stem: json.loads(Path(f).read_text()) for f in sys.argv[2:]}
-Path(sys.argv[1]).write_text(json.dumps(out))
-print(f"rows.json: {', '.join(out)}")
-PY
+  merge_rows "$rows"
   gap_rows "$judged" 120 ;;
+U)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  ledger=${3:?usage: issue13_gpu.sh U JUDGED LEDGER}
+  mkdir -p $ST; cp "$ledger" $ST/ledger.sqlite
+  search_attention "$table" ${ATTN_EVALS:-40} ${ATTN_BUDGET:-170} ${ATTN_S:-230} /tmp/u-attn.json
+  new=$OUT/dispatch-judged.json; mv "$OUT/dispatch.json" "$new"
+  judge_step "$new" ${JUDGE_S:-120} "$OUT/u-judge.json"
+  rows=$(mktemp -d)   # a warm machine keeps /tmp: never an earlier stage's rows
+  alternate_rows "$table" "$new" given new u "$rows"
+  merge_rows "$rows"
+  backup_ledger ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1

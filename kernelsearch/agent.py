@@ -300,7 +300,7 @@ def agent_rounds(loop, config: AgentConfig, *, spec, rounds: int, ceilings, stat
     """Drive `rounds` agent attempts through the search loop's measure/record (same harness)."""
     from kernelsearch.harness.verdict import Verdict
     from kernelsearch.ledger import file_hash
-    from kernelsearch.search import Candidate
+    from kernelsearch.search import Candidate, OutOfTime
 
     if config is None:
         raise ValueError("strategy 'agent' needs an agent command (--agent-command)")
@@ -308,6 +308,8 @@ def agent_rounds(loop, config: AgentConfig, *, spec, rounds: int, ceilings, stat
     keep_dir = state_dir / "candidates"
     keep_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     for i in range(rounds):
+        if loop.deadline is not None and time.monotonic() >= loop.deadline:
+            raise OutOfTime(f"{rounds - i} agent round(s) not started")
         work_dir = state_dir / "agent" / loop.run_id / f"round-{i + 1}"
         write_context_pack(
             work_dir, kernel=loop.kernel, spec=spec, shapes=loop.shapes, dtype=loop.dtype,

@@ -110,13 +110,20 @@ class SearchResult:
     table_path: str | None
     ceilings: dict | None
     elapsed_s: float
+    stopped: str | None = None     # why the search ended before its budget (its time limit)
+    unfinished: list = field(default_factory=list)   # shapes whose strategy did not finish
 
     def to_json(self) -> dict:
         return {"kernel": self.kernel, "device": self.device, "strategy": self.strategy,
                 "fingerprint_id": self.fingerprint_id, "run_id": self.run_id,
                 "evaluations": self.evaluations, "resumed": self.resumed,
                 "table_path": self.table_path, "ceilings": self.ceilings,
-                "elapsed_s": round(self.elapsed_s, 3), "shapes": [s.to_json() for s in self.shapes]}
+                "elapsed_s": round(self.elapsed_s, 3), "stopped": self.stopped,
+                "unfinished": self.unfinished, "shapes": [s.to_json() for s in self.shapes]}
+
+
+class OutOfTime(Exception):
+    """A search's time limit passed: the evaluations not started are not run."""
 
 
 def _json_float(x):
@@ -164,12 +171,14 @@ class Loop:
     """State of one search run: memo of outcomes, ledger, executor. Strategies drive it."""
 
     def __init__(self, *, kernel, device, shapes, dtype, ledger: Ledger, executor, fingerprint: dict,
-                 fingerprint_id: str, strategy: str, resume: bool, timeout_s, progress):
+                 fingerprint_id: str, strategy: str, resume: bool, timeout_s, progress,
+                 deadline: float | None = None):
         self.kernel, self.device, self.shapes, self.dtype = kernel, device, shapes, dtype
         self.ledger, self.executor = ledger, executor
         self.fingerprint, self.fingerprint_id = fingerprint, fingerprint_id
         self.strategy, self.resume, self.timeout_s = strategy, resume, timeout_s
         self.progress = progress
+        self.deadline = deadline                           # time.monotonic() past which nothing starts
         self.primary_dtype = get_spec(kernel).primary_dtype(device)
         self.code_version = code_version()
         self.git = git_describe()
@@ -220,6 +229,8 @@ class Loop:
                 owners.append((cand, missing))
         width = max(1, int(getattr(self.executor, "width", 1)))
         for i in range(0, len(jobs), width):
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                raise OutOfTime(f"{len(jobs) - i} evaluation(s) not started")
             started = time.time()
             verdicts = self.executor.map(jobs[i:i + width])
             for (cand, missing), verdict in zip(owners[i:i + width], verdicts):
@@ -387,8 +398,16 @@ def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device:
            dtype: str | None = None, shapes: list[dict] | None = None, resume: bool = False,
            seed: int = 0, executor=None, ledger_path=None, dispatch_path=None,
            timeout_s: float | None = None, source_path=None, ceilings: dict | None = None,
-           agent=None, progress: Callable[[str], None] = lambda line: None) -> SearchResult:
-    """Run one search; see the module docstring. `agent` is an AgentConfig for strategy "agent"."""
+           agent=None, time_limit_s: float | None = None,
+           progress: Callable[[str], None] = lambda line: None) -> SearchResult:
+    """Run one search; see the module docstring. `agent` is an AgentConfig for strategy "agent".
+
+    `time_limit_s` bounds the search's wall time from this call on: once it has passed, no
+    evaluation starts (one already running finishes). Shapes whose strategy finished are
+    written and recorded as searched; a shape cut short adds its winner to the table only
+    where it is kept against stock (an entry it has is left as it was otherwise), and is not
+    recorded as searched, so that a later run (`resume`) goes on with it."""
+    deadline = None if time_limit_s is None else time.monotonic() + max(0.0, float(time_limit_s))
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
     from kernelsearch.fingerprint import collect, fingerprint_id
@@ -410,35 +429,52 @@ def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device:
     ledger = Ledger(ledger_path or state_dir / "ledger.sqlite")
     loop = Loop(kernel=kernel, device=device, shapes=shapes, dtype=dtype, ledger=ledger,
                 executor=executor or SequentialExecutor(), fingerprint=fp, fingerprint_id=fp_id,
-                strategy=strategy, resume=resume, timeout_s=timeout_s, progress=progress)
+                strategy=strategy, resume=resume, timeout_s=timeout_s, progress=progress,
+                deadline=deadline)
+    finished: list[dict] = []   # shapes whose strategy ran to its end
+    stopped = None
     try:
         space, allowed, make = template_candidate(kernel, source_path, device, shapes, dtype, timeout_s)
-        if strategy == "agent":
-            from kernelsearch.agent import agent_rounds
+        if strategy != "agent" and strategy not in REGISTRY:
+            raise KeyError(f"unknown strategy {strategy!r}: expected one of "
+                           f"{', '.join(list(REGISTRY) + ['agent'])}")
+        try:
+            if strategy == "agent":
+                from kernelsearch.agent import agent_rounds
 
-            # the template's default point is the baseline the agent has to beat
-            loop.measure([make({})])
-            agent_rounds(loop, agent, spec=spec, rounds=budget, ceilings=ceilings,
-                         state_dir=state_dir, baseline_path=make({}).source_path)
-        else:
-            if strategy not in REGISTRY:
-                raise KeyError(f"unknown strategy {strategy!r}: expected one of "
-                               f"{', '.join(list(REGISTRY) + ['agent'])}")
-            for i, shape in enumerate(shapes):
-                progress(f"shape {i + 1}/{len(shapes)} {spec.describe(shape)}: {strategy}, budget {budget}")
-                REGISTRY[strategy](space, loop.objective(make, shape), budget,
-                                   random.Random(seed * 1_000_003 + i), allowed=allowed)
+                # the template's default point is the baseline the agent has to beat
+                loop.measure([make({})])
+                agent_rounds(loop, agent, spec=spec, rounds=budget, ceilings=ceilings,
+                             state_dir=state_dir, baseline_path=make({}).source_path)
+                finished = list(shapes)
+            else:
+                for i, shape in enumerate(shapes):
+                    progress(f"shape {i + 1}/{len(shapes)} {spec.describe(shape)}: {strategy}, budget {budget}")
+                    REGISTRY[strategy](space, loop.objective(make, shape), budget,
+                                       random.Random(seed * 1_000_003 + i), allowed=allowed)
+                    finished.append(shape)
+        except OutOfTime as exc:
+            stopped = (f"time limit {time_limit_s:g} s reached after {loop.evaluations} evaluation(s) "
+                       f"({exc})")
+            progress(f"{stopped}: {len(shapes) - len(finished)} of {len(shapes)} shape(s) not finished; "
+                     f"their winners are kept only where they beat stock, and a later run goes on with them")
         reports = loop.report(ceilings)
+        done = {_shape_key(s) for s in finished}
+        # a shape cut short: its winner where kept, else nothing (its entry, if any, stays)
+        written_reports = [r for r in reports if _shape_key(r.shape) in done or r.kept]
         from kernelsearch.dispatch import table_path
 
         out = Path(dispatch_path) if dispatch_path else table_path(state_dir, fp_id)
-        written = write_dispatch(out, kernel, fp, fp_id, reports, device)
+        written = write_dispatch(out, kernel, fp, fp_id, written_reports, device)
         # only now is each shape searched: a search killed before this line leaves attempts
         # in the ledger but no record here, and `ensure_table` searches those shapes again
-        ledger.record_search(run_id=loop.run_id, kernel=kernel, shapes=[(r.dtype, r.shape) for r in reports],
+        ledger.record_search(run_id=loop.run_id, kernel=kernel,
+                             shapes=[(r.dtype, r.shape) for r in reports if _shape_key(r.shape) in done],
                              strategy=strategy, budget=budget, source_hash=make({}).source_hash,
                              fingerprint=fp_id, code_version=loop.code_version)
     finally:
         ledger.close()
+    unfinished = [r.shape for r in reports if _shape_key(r.shape) not in done]
     return SearchResult(kernel, device, strategy, fp_id, loop.run_id, reports, loop.evaluations,
-                        loop.resumed, str(written), ceilings, time.time() - loop.started)
+                        loop.resumed, str(written), ceilings, time.time() - loop.started,
+                        stopped, unfinished)

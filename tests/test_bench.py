@@ -614,7 +614,7 @@ def test_ensure_table_starts_a_kernel_only_when_its_share_of_the_budget_is_likel
 
     def fake_search(kernel, *, shapes, dtype, budget, dispatch_path, device, **kw):
         calls.append({"kernel": kernel, "shapes": shapes, "dtype": dtype, "budget": budget,
-                      "path": dispatch_path, "device": device})
+                      "path": dispatch_path, "device": device, "limit": kw.get("time_limit_s")})
         _time.sleep(0.4)  # 0.4 s for one evaluation of one shape
         return type("R", (), {"shapes": [ks.ShapeReport(shape=s, dtype=dtype, stock_ms=1.0) for s in shapes]})()
 
@@ -626,9 +626,31 @@ def test_ensure_table_starts_a_kernel_only_when_its_share_of_the_budget_is_likel
     # matmul first (GEMMs lead); rmsnorm's two shapes would need ~0.8 s of the ~0.2 s left
     assert [c["kernel"] for c in calls] == ["matmul"]
     assert calls[0]["dtype"] == "bfloat16" and calls[0]["budget"] == 1 and calls[0]["shapes"] == shapes["matmul"]
+    assert 0.5 < calls[0]["limit"] <= 0.6      # the search itself stops at what is left of the budget
     assert str(calls[0]["path"]).startswith(str(tmp_path / "dispatch"))
     assert {d["kernel"]: d["result"] for d in details}["rmsnorm"] == "not searched: time budget"
     assert table is None and "rmsnorm x2 (time budget)" in note and "searched 1 of 3" in note
+
+
+def test_ensure_table_names_shapes_whose_search_the_time_budget_cut_short(tmp_path, monkeypatch):
+    import kernelsearch.search as ks
+    from daemon.bench.autotable import ensure_table
+
+    shapes = {"rmsnorm": [{"M": 1, "N": 64}, {"M": 2, "N": 64}]}
+
+    def fake_search(kernel, *, shapes, dtype, **kw):
+        first, second = (ks.ShapeReport(shape=s, dtype=dtype, stock_ms=1.0) for s in shapes)
+        second.speedup = 1.01
+        return type("R", (), {"shapes": [first, second], "unfinished": [shapes[1]]})()
+
+    monkeypatch.setattr(ks, "search", fake_search)
+    details = []
+    table, note = ensure_table(state_dir=tmp_path, device="cpu", dtype="bf16", shapes=shapes, budget_s=60,
+                               progress=lambda line: None, evals=1, details=details)
+    results = [d["result"] for d in details]
+    assert results[0].startswith("stock kept")
+    assert results[1].startswith("not finished: time budget; stock for now") and "1.01x" in results[1]
+    assert "searched 1 of 2" in note and "rmsnorm x1 (cut short by the time budget" in note
 
 
 def test_a_search_killed_half_way_does_not_cover_its_shapes_and_is_resumed_next_time(tmp_path):

@@ -71,3 +71,20 @@ def test_agent_user_defaults_to_the_configs_unprivileged_user(tmp_path):
     assert agent_user(SimpleNamespace(agent_user="alice"), ctx) == "alice"
     config.write_text("profile: throughput\n")
     assert agent_user(SimpleNamespace(agent_user=None), ctx) == "nobody"
+
+
+def test_time_limit_stops_the_search_says_so_and_resume_finishes_it(tmp_path):
+    state = tmp_path / "state"
+    for bad in ("0", "-3", "nan", "inf"):
+        proc = run_hwtune("--state-dir", state, *ARGS, "--time-limit-s", bad)
+        assert proc.returncode == 2 and "--time-limit-s" in proc.stderr and "Traceback" not in proc.stderr
+    # a limit spent before the first evaluation: nothing runs, nothing counts as searched
+    cut = run_hwtune("--state-dir", state, *ARGS, "--time-limit-s", "0.001", check=True, timeout=600)
+    assert "stopped early: time limit 0.001 s reached after 0 evaluation(s)" in cut.stdout, cut.stdout
+    assert "not finished: M=5 N=1000; M=3 N=130" in cut.stdout
+    db = sqlite3.connect(state / "ledger.sqlite")
+    assert db.execute("SELECT COUNT(*) FROM searches").fetchone()[0] == 0
+    db.close()
+    done = run_hwtune("--state-dir", state, *ARGS, "--resume", "--json", check=True, timeout=600)
+    doc = json.loads(done.stdout)
+    assert doc["stopped"] is None and doc["unfinished"] == [] and doc["evaluations"] == 2

@@ -120,3 +120,97 @@ def test_dispatch_table_keeps_other_kernels_entries(tmp_path):
            shapes=[FAST], executor=ScriptedExecutor(), ceilings=CEILINGS, dispatch_path=out)
     kernels = sorted(e["kernel"] for e in json.loads(out.read_text())["entries"])
     assert kernels == ["rmsnorm", "softmax"] and first.fingerprint_id in out.read_text()
+
+
+class _Clock:
+    """kernelsearch.search's `time` with a monotonic clock that only the executor moves."""
+
+    def __init__(self):
+        import time as real
+        self.real, self.now = real, 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+class _SlowExecutor(ScriptedExecutor):
+    """Each batch of jobs takes 10 s on the clock."""
+
+    def __init__(self, clock):
+        super().__init__()
+        self.clock = clock
+
+    def map(self, jobs):
+        self.clock.now += 10.0
+        return super().map(jobs)
+
+
+def test_a_time_limit_stops_new_evaluations_and_writes_only_winners_of_shapes_cut_short(tmp_path, monkeypatch):
+    import kernelsearch.search as ks
+
+    clock = _Clock()
+    monkeypatch.setattr(ks, "time", clock)
+    out = tmp_path / "table.json"
+    # an older entry at CLOSE: a search cut short that keeps nothing there must leave it alone
+    seed = search("rmsnorm", state_dir=tmp_path / "old", strategy="grid", budget=1, device="cpu",
+                  dtype="bfloat16", shapes=[FAST], executor=ScriptedExecutor(), ceilings=CEILINGS,
+                  dispatch_path=out)
+    doc = json.loads(out.read_text())
+    doc["entries"][0]["shape"] = CLOSE
+    out.write_text(json.dumps(doc))
+    ex = _SlowExecutor(clock)
+    result = search("rmsnorm", state_dir=tmp_path, strategy="grid", budget=6, device="cpu",
+                    dtype="bfloat16", shapes=[FAST, CLOSE], executor=ex, ceilings=CEILINGS,
+                    dispatch_path=out, time_limit_s=15)
+    # batches of 2 at t=0 and t=10 started; the one due at t=20 did not
+    assert len(ex.jobs) == 4 == result.evaluations
+    assert result.stopped.startswith("time limit 15 s reached after 4 evaluation(s)")
+    assert result.unfinished == [FAST, CLOSE]
+    assert "stopped" in result.to_json() and result.to_json()["unfinished"] == [FAST, CLOSE]
+    fast, close = result.shapes
+    assert fast.kept and not close.kept
+    entries = {json.dumps(e["shape"], sort_keys=True): e for e in json.loads(out.read_text())["entries"]}
+    assert set(entries) == {json.dumps(FAST, sort_keys=True), json.dumps(CLOSE, sort_keys=True)}
+    assert entries[json.dumps(CLOSE, sort_keys=True)]["params"] == seed.shapes[0].best["params"]
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        assert ledger.summary()["total"] == 4 * 2            # what ran is in the ledger
+        assert ledger.db.execute("SELECT COUNT(*) FROM searches").fetchone()[0] == 0   # nothing finished
+    # resumed without a limit: the four measured points come from the ledger, two more are run
+    again = ScriptedExecutor()
+    done = search("rmsnorm", state_dir=tmp_path, strategy="grid", budget=6, device="cpu",
+                  dtype="bfloat16", shapes=[FAST, CLOSE], executor=again, ceilings=CEILINGS,
+                  dispatch_path=out, resume=True)
+    assert len(again.jobs) == 2 and done.stopped is None and done.unfinished == []
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        assert ledger.db.execute("SELECT COUNT(*) FROM searches").fetchone()[0] == 2
+
+
+def test_a_shape_finished_before_the_time_limit_counts_as_searched(tmp_path, monkeypatch):
+    import kernelsearch.search as ks
+
+    clock = _Clock()
+    monkeypatch.setattr(ks, "time", clock)
+    ex = _SlowExecutor(clock)
+    # random search: each shape draws its own points; FAST's two fit in one batch (t=0 -> 10),
+    # CLOSE's first batch is due at t=10, past the limit of 5 s
+    result = search("rmsnorm", state_dir=tmp_path, strategy="random", budget=2, device="cpu",
+                    dtype="bfloat16", shapes=[FAST, CLOSE], executor=ex, ceilings=CEILINGS,
+                    time_limit_s=5)
+    assert len(ex.jobs) == 2 and result.unfinished == [CLOSE] and result.stopped
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        rows = ledger.db.execute("SELECT shape FROM searches").fetchall()
+    assert [json.loads(r[0]) for r in rows] == [FAST]
+
+
+def test_no_time_limit_and_a_generous_one_change_nothing(tmp_path, monkeypatch):
+    import kernelsearch.search as ks
+
+    clock = _Clock()
+    monkeypatch.setattr(ks, "time", clock)
+    result = search("rmsnorm", state_dir=tmp_path, strategy="grid", budget=6, device="cpu",
+                    dtype="bfloat16", shapes=[FAST, CLOSE], executor=_SlowExecutor(clock),
+                    ceilings=CEILINGS, time_limit_s=1000)
+    assert result.evaluations == 6 and result.stopped is None and result.unfinished == []

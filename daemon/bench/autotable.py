@@ -181,6 +181,7 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
         try:
             result = search(kernel, state_dir=state_dir, strategy="grid", budget=max(1, int(evals)),
                             device=device, dtype=dtype, shapes=todo, dispatch_path=path, resume=True,
+                            time_limit_s=left,
                             progress=lambda line, k=kernel: progress(f"  {k}: {line}"))
         except Exception as exc:  # a failed search is a fact of this run, not the end of the bench
             for shape in todo:
@@ -194,11 +195,18 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
         call_s.append(time.monotonic() - t)
         work.append(max(1, int(evals)) * len(todo))
         against = spec.stock_name
+        cut = [_canonical(u) for u in getattr(result, "unfinished", [])]
+        if cut:
+            skipped.append(f"{kernel} x{len(cut)} (cut short by the time budget; a later run goes on)")
         for r in result.shapes:
             best = r.best or {}
+            short = " (cut short by the time budget)" if _canonical(r.shape) in cut else ""
             if r.kept:
                 kept += 1
-                what = f"kept a kernel, {r.speedup:.2f}x against {against}"
+                what = f"kept a kernel{short}, {r.speedup:.2f}x against {against}"
+            elif short:
+                what = (f"not finished: time budget; stock for now ({against})"
+                        + (f", best candidate so far {r.speedup:.3g}x" if r.speedup else ""))
             else:
                 stock_won += 1
                 what = (f"stock kept ({against}); best candidate {r.speedup:.3g}x" if r.speedup

@@ -43,6 +43,9 @@ def add_search_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip (kernel, shape, candidate) already in the ledger for this device and code")
     p.add_argument("--seed", type=int, default=0, help="seed of random, optuna and evolution")
     p.add_argument("--timeout-s", type=float, default=None, help="per harness request (default: harness's)")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help="wall-clock limit of the whole search: no evaluation starts after it; shapes "
+                        "not finished keep only winners that beat stock and are searched on by --resume")
     p.add_argument("--source", type=Path, default=None, help="search this template file instead of the built-in")
     p.add_argument("--agent-command", default=None,
                    help="agent proposer command (split like a shell, run without one); {workdir} is substituted")
@@ -93,6 +96,10 @@ def _table(result) -> str:
     lines.append(f"speedup = stock ms / best ms; stock is {get_spec(result.kernel).stock_name}, as a user calls it")
     if result.device == "cpu":
         lines.append("(cpu: Triton interpreter -- the times check the loop, they are not speeds)")
+    if result.stopped:
+        shapes = "; ".join(" ".join(f"{k}={v}" for k, v in u.items() if k != "dtype") for u in result.unfinished)
+        lines.append(f"stopped early: {result.stopped}; not finished: {shapes or 'none'} "
+                     f"(their winners kept only where they beat stock; --resume goes on with them)")
     lines.append(f"dispatch table: {result.table_path}")
     return "\n".join(lines)
 
@@ -130,6 +137,8 @@ def run_search(args, ctx) -> int:
         if problem:
             text = ",".join(f"{k}={v}" for k, v in shape.items())
             raise UsageError(f"--shape {text}: {problem}")
+    if args.time_limit_s is not None and not (math.isfinite(args.time_limit_s) and args.time_limit_s > 0):
+        raise UsageError(f"--time-limit-s {args.time_limit_s:g}: a positive number of seconds")
     device = resolve_device(args.device)
     ctx.ensure_state_dir()
     agent = None
@@ -152,6 +161,7 @@ def run_search(args, ctx) -> int:
                         device=device, dtype=args.dtype, shapes=args.shape, resume=args.resume,
                         seed=args.seed, ledger_path=args.ledger, dispatch_path=args.dispatch_out,
                         timeout_s=args.timeout_s, source_path=args.source, agent=agent, executor=executor,
+                        time_limit_s=args.time_limit_s,
                         progress=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True))
