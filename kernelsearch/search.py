@@ -333,13 +333,16 @@ class Loop:
                 band = best_out.noise_band
                 if band is None or not math.isfinite(band):
                     band = DEFAULT_NOISE_BAND
-                # paired comparison: the winner's own stock timing, taken in the same child
-                rep.kept = keep(best_out.candidate_ms, best_out.stock_ms, band)
-                rep.speedup = (best_out.stock_ms / best_out.candidate_ms
-                               if math.isfinite(best_out.stock_ms) else None)
+                # paired comparison: the winner's own stock timing, taken in the same child;
+                # where that failed, the shape's median stock time. With no stock time at all
+                # nothing is kept: a kernel is kept only where it is shown faster than stock
+                # (keep() alone counts an unknown incumbent as beaten)
+                against = best_out.stock_ms if math.isfinite(best_out.stock_ms) else rep.stock_ms
+                rep.kept = math.isfinite(against) and keep(best_out.candidate_ms, against, band)
+                rep.speedup = against / best_out.candidate_ms if math.isfinite(against) else None
                 rep.best = {"params": cand.params, "source": cand.source_ref,
                             "source_hash": cand.source_hash, "candidate_ms": best_out.candidate_ms,
-                            "stock_ms": _json_float(best_out.stock_ms),
+                            "stock_ms": _json_float(against),
                             "noise_band": _json_float(best_out.noise_band), "plan": best_out.plan,
                             "source_path": str(cand.source_path)}
             if ceilings and (flops or bytes_):

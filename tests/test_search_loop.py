@@ -214,3 +214,42 @@ def test_no_time_limit_and_a_generous_one_change_nothing(tmp_path, monkeypatch):
                     dtype="bfloat16", shapes=[FAST, CLOSE], executor=_SlowExecutor(clock),
                     ceilings=CEILINGS, time_limit_s=1000)
     assert result.evaluations == 6 and result.stopped is None and result.unfinished == []
+
+
+class _NoStockExecutor(ScriptedExecutor):
+    """Stock's timing fails (inf) for the candidates named, or for every one."""
+
+    def __init__(self, failing=None):
+        super().__init__()
+        self.failing = failing
+
+    def map(self, jobs):
+        verdicts = super().map(jobs)
+        for job, v in zip(jobs, verdicts):
+            if self.failing is None or job["params"] in self.failing:
+                for sr in v.shapes:
+                    sr.stock_ms = float("inf")
+        return verdicts
+
+
+def test_no_stock_time_means_nothing_is_kept_fresh_and_resumed(tmp_path):
+    kw = dict(strategy="grid", budget=4, device="cpu", dtype="bfloat16", shapes=[FAST], ceilings=CEILINGS)
+    fresh = search("rmsnorm", state_dir=tmp_path, executor=_NoStockExecutor(), **kw)
+    rep = fresh.shapes[0]
+    assert rep.best is not None and not rep.kept and rep.speedup is None
+    assert json.loads(open(fresh.table_path).read())["entries"] == []
+    # the ledger holds NULL stock times: a resumed run decides the same
+    resumed = search("rmsnorm", state_dir=tmp_path, executor=ScriptedExecutor(), resume=True, **kw)
+    assert resumed.evaluations == 0 and not resumed.shapes[0].kept
+
+
+def test_a_winner_whose_own_stock_timing_failed_is_judged_against_the_shapes_stock(tmp_path):
+    probe = search("rmsnorm", state_dir=tmp_path / "probe", strategy="grid", budget=4, device="cpu",
+                   dtype="bfloat16", shapes=[FAST], executor=ScriptedExecutor(), ceilings=CEILINGS)
+    winner = probe.shapes[0].best["params"]
+    result = search("rmsnorm", state_dir=tmp_path, strategy="grid", budget=4, device="cpu",
+                    dtype="bfloat16", shapes=[FAST], executor=_NoStockExecutor([winner]),
+                    ceilings=CEILINGS)
+    rep = result.shapes[0]
+    assert rep.best["params"] == winner and rep.kept and rep.best["stock_ms"] == 1.0
+    assert rep.speedup == 1.0 / rep.best["candidate_ms"]
