@@ -74,6 +74,10 @@
 #                                        copy (ATTN_EVALS, default 40, stopped at ATTN_BUDGET s), then the judge
 #                                        on it ($OUT/dispatch-judged.json, u-judge.json), then the built-in rows
 #                                        (tuned-nopdl, tuned) on JUDGED and on the new table, twice (rows.json)
+#   bench/issue13_gpu.sh V JUDGED LEDGER     the judge again on a copy of JUDGED with LEDGER, JUDGE_TOP
+#                                        (default 8) configs an entry ($OUT/dispatch-judged.json, v-judge.json),
+#                                        the built-in rows on JUDGED and the new table, twice, then the hf-llama
+#                                        rows (hf compiled, patched) on both (rows.json)
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -140,8 +144,8 @@ model_rows() {  # model_rows TABLE: built-in rows, hf-llama rows, gap breakdown,
 judge_step() {  # judge_step TABLE TIMEOUT_S JSON: `hwtune bench --judge-in-step` (tuned rows) on TABLE,
   # judged and written back in place; the bench's results to JSON
   timeout $2 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 1x2048,32x2048 --variants tuned --judge-in-step --budget-s $(($2 - 10)) \
-      --energy-window-s 0 --table "$1" --out "$OUT/j"
+      --shapes 1x2048,32x2048 --variants tuned --judge-in-step ${JUDGE_TOP:+--judge-top $JUDGE_TOP} \
+      --budget-s $(($2 - 10)) --energy-window-s 0 --table "$1" --out "$OUT/j"
   echo "judge rc=$?"
   cp "$OUT/j/results.json" "$3"; rm -rf "$OUT/j" "$1.lock"
 }
@@ -152,6 +156,18 @@ alternate_rows() {  # alternate_rows A B NAME_A NAME_B PREFIX DIR: the built-in 
     n=$((n + 1)); which=$3; [ "$t" = "$2" ] && which=$4
     step_rows "$t" tuned-nopdl,tuned "$5-$n-$which.json" 60
     echo "table $which rc=$?"; mv "$OUT/$5-$n-$which.json" "$6"/ 2>/dev/null
+  done
+}
+hf_pair() {  # hf_pair A B NAME_A NAME_B DIR: the hf-llama rows (hf compiled, patched) on A, then on B
+  # -> DIR/s-NAME.json
+  local t which
+  for t in "$1" "$2"; do
+    which=$3; [ "$t" = "$2" ] && which=$4
+    timeout 130 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
+        --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune --budget-s 120 --steps 32 \
+        --warmup 4 --check 4 --energy-window-s 0 --table "$t" --out "$OUT/hf"
+    echo "hf table $which rc=$?"
+    cp "$OUT/hf/results.json" "$5/s-$which.json"; rm -rf "$OUT/hf"
   done
 }
 merge_rows() {  # merge_rows DIR: every DIR/*.json into $OUT/rows.json, keyed by file name (8 files)
@@ -391,14 +407,7 @@ T)
   judge_step "$judged" ${JUDGE_S:-200} "$OUT/t-judge.json"
   rows=$(mktemp -d)   # a warm machine keeps /tmp: never an earlier stage's rows
   alternate_rows "$table" "$judged" searched judged r "$rows"
-  for which in searched judged; do
-    t=$table; [ $which = judged ] && t=$judged
-    timeout 130 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
-        --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune --budget-s 120 --steps 32 \
-        --warmup 4 --check 4 --energy-window-s 0 --table "$t" --out "$OUT/hf"
-    echo "hf table $which rc=$?"
-    cp "$OUT/hf/results.json" "$rows/s-$which.json"; rm -rf "$OUT/hf"
-  done
+  hf_pair "$table" "$judged" searched judged "$rows"
   merge_rows "$rows"
   gap_rows "$judged" 120 ;;
 U)
@@ -413,6 +422,17 @@ U)
   alternate_rows "$table" "$new" given new u "$rows"
   merge_rows "$rows"
   backup_ledger ;;
+V)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  ledger=${3:?usage: issue13_gpu.sh V JUDGED LEDGER}
+  mkdir -p $ST; cp "$ledger" $ST/ledger.sqlite
+  new=$OUT/dispatch-judged.json; cp "$table" "$new"
+  JUDGE_TOP=${JUDGE_TOP:-8} judge_step "$new" ${JUDGE_S:-150} "$OUT/v-judge.json"
+  rows=$(mktemp -d)   # a warm machine keeps /tmp: never an earlier stage's rows
+  alternate_rows "$table" "$new" given new v "$rows"
+  hf_pair "$table" "$new" given new "$rows"
+  merge_rows "$rows" ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1

@@ -347,6 +347,9 @@ def test_the_bench_table_names_what_the_judge_changed_and_the_steps_gain():
     (["--model", "hf-llama", "--judge-in-step"], "judges the built-in model's step"),
     (["--variants", "eager,graphed", "--judge-in-step"], "has no tuned"),
     (["--command", "true", "--judge-in-step"], "not with --command"),
+    (["--judge-top", "5"], "--judge-top is for --judge-in-step"),
+    (["--judge-in-step", "--judge-top", "0"], "--judge-top 0: 1 to 32"),
+    (["--judge-in-step", "--judge-top", "33"], "--judge-top 33: 1 to 32"),
 ])
 def test_judge_in_step_without_the_built_in_tuned_step_is_refused(tmp_path, hwtune_cli, args, message):
     proc = hwtune_cli("--state-dir", tmp_path, "bench", "--device", "cpu", *args)
@@ -383,7 +386,7 @@ def test_ledger_rows_of_another_form_are_not_alternatives(tmp_path):
     assert [r["params"] for r in stepjudge.leading(path, entry({"tile": "own"}), FP)] == [{"tile": "ok"}]
 
 
-def _bench_judge(tmp_path, monkeypatch, table_path, applied=True):
+def _bench_judge(tmp_path, monkeypatch, table_path, applied=True, **options):
     """Bench._judge_in_step on the tiny model with stepjudge.judge replaced by one decision that
     moves the first entry to other params (what a CUDA run decides): the bench's own glue."""
     import torch
@@ -398,15 +401,15 @@ def _bench_judge(tmp_path, monkeypatch, table_path, applied=True):
     after = before.replace(params={"tile": "judged"})
     seen = {}
 
-    def fake_judge(t, *, make_step, calls, device, ledger_path, check, progress, reps, deadline):
-        seen.update(calls=calls, ledger=ledger_path, step=make_step(t), deadline=deadline)
+    def fake_judge(t, *, make_step, calls, device, ledger_path, check, progress, top, reps, deadline):
+        seen.update(calls=calls, ledger=ledger_path, step=make_step(t), deadline=deadline, top=top)
         if applied is None:
             return stepjudge.JudgeResult(t, [], "", False)
         d = stepjudge.Decision(before.kernel, before.dtype, dict(before.shape), before, after, "replaced",
                                band=0.003, method=CUDA if applied else CPU)
         return stepjudge.JudgeResult(stepjudge.with_entry(t, before, after), [d], d.method, applied)
     monkeypatch.setattr(stepjudge, "judge", fake_judge)
-    bench = Bench(BenchOptions(device="cpu", state_dir=str(tmp_path / "state"), judge_in_step=True))
+    bench = Bench(BenchOptions(device="cpu", state_dir=str(tmp_path / "state"), judge_in_step=True, **options))
     model = Model(PRESETS["tiny"], device="cpu", dtype=torch.float32)
     model.allocate_cache(2, 17)
     tokens, positions = torch.tensor([3, 5]), torch.tensor([16, 16])
@@ -424,6 +427,9 @@ def test_the_bench_writes_a_cuda_judgement_back_to_the_table_file(tmp_path, monk
     assert str(seen["ledger"]).endswith("state/ledger.sqlite") and callable(seen["step"])
     import time
     assert 0 < seen["deadline"] - time.monotonic() <= 270 - 30   # the bench's --budget-s, less the rows' share
+    assert seen["top"] == stepjudge.TOP == 3
+    _, _, deeper = _bench_judge(tmp_path, monkeypatch, path, judge_top=7)   # --judge-top 7
+    assert deeper["top"] == 7
     assert got.entries[0].params["tile"] == "judged"
     assert record["status"] == "ok" and record["written"] == f"1 decision(s) written to {path}"
     assert json.loads(path.read_text())["entries"][0]["params"] == {"tile": "judged"}

@@ -83,6 +83,7 @@ class BenchOptions:
     search_evals: int = DEFAULT_EVALS
     seed: int = 0
     judge_in_step: bool = False   # kernelsearch.stepjudge on each shape's tuned step first
+    judge_top: int | None = None  # its alternatives an entry from the ledger (None: stepjudge.TOP)
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -487,6 +488,7 @@ class Bench:
             with pdl(TUNED_VARIANTS["tuned"][1]):
                 result = stepjudge.judge(table, make_step=make_step, calls=calls, device=self.opts.device,
                                          ledger_path=ledger, check=check, progress=log,
+                                         top=self.opts.judge_top or stepjudge.TOP,
                                          reps=JUDGE_REPS if self.cuda else None,
                                          deadline=self.t0 + self.opts.budget_s - JUDGE_RESERVE_S)
         except Exception as exc:  # the rows still run, on the table as it was

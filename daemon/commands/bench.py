@@ -49,6 +49,9 @@ def add_bench_arguments(p) -> None:
                         "inside this step against their leading configs in the ledger and stock "
                         "(kernelsearch.stepjudge; only CUDA timings change the table) and keep the fastest; "
                         "the judged table is written back to its file (--table's too)")
+    m.add_argument("--judge-top", type=int, default=None, metavar="N",
+                   help="--judge-in-step: the ledger's N leading configs of each entry are tried "
+                        "(default 3; each costs about a second of the step timed on a GPU)")
     m.add_argument("--seed", type=int, default=0, help="seed of the model weights and tokens")
     h = p.add_argument_group("Hugging Face model")
     h.add_argument("--model", default="builtin", metavar="builtin,hf-llama",
@@ -94,6 +97,11 @@ def _models(args) -> tuple:
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
         raise UsageError(f"--model {args.model}: expected builtin, hf-llama or builtin,hf-llama")
+    top = getattr(args, "judge_top", None)
+    if top is not None and not getattr(args, "judge_in_step", False):
+        raise UsageError("--judge-top is for --judge-in-step")
+    if top is not None and not 1 <= top <= 32:
+        raise UsageError(f"--judge-top {top}: 1 to 32 configs an entry")
     if getattr(args, "judge_in_step", False) and (args.from_results or args.workload_command):
         raise UsageError("--judge-in-step judges the built-in model's step: not with "
                          + ("--from-results" if args.from_results else "--command"))
@@ -219,7 +227,8 @@ def _measure(args, ctx) -> dict:
                 variants=_variants(args, VARIANTS, EXTRA_VARIANTS),
                 steps=args.steps, warmup=args.warmup, energy_window_s=args.energy_window_s,
                 budget_s=args.budget_s, table_path=args.table, state_dir=str(ctx.state_dir),
-                search_evals=args.search_evals, seed=args.seed, judge_in_step=args.judge_in_step)
+                search_evals=args.search_evals, seed=args.seed, judge_in_step=args.judge_in_step,
+                judge_top=args.judge_top)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
         try:
