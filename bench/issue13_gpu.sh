@@ -428,7 +428,7 @@ V)
   ledger=${3:?usage: issue13_gpu.sh V JUDGED LEDGER}
   mkdir -p $ST; cp "$ledger" $ST/ledger.sqlite
   new=$OUT/dispatch-judged.json; cp "$table" "$new"
-  JUDGE_TOP=${JUDGE_TOP:-8} judge_step "$new" ${JUDGE_S:-150} "$OUT/v-judge.json"
+  JUDGE_TOP=${JUDGE_TOP:-8} judge_step "$new" ${JUDGE_S:-200} "$OUT/v-judge.json"
   rows=$(mktemp -d)   # a warm machine keeps /tmp: never an earlier stage's rows
   alternate_rows "$table" "$new" given new v "$rows"
   hf_pair "$table" "$new" given new "$rows"
