@@ -335,10 +335,9 @@ class Loop:
                     band = DEFAULT_NOISE_BAND
                 # paired comparison: the winner's own stock timing, taken in the same child;
                 # where that failed, the shape's median stock time. With no stock time at all
-                # nothing is kept: a kernel is kept only where it is shown faster than stock
-                # (keep() alone counts an unknown incumbent as beaten)
+                # keep() keeps nothing: a kernel is kept only where it is shown faster than stock
                 against = best_out.stock_ms if math.isfinite(best_out.stock_ms) else rep.stock_ms
-                rep.kept = math.isfinite(against) and keep(best_out.candidate_ms, against, band)
+                rep.kept = keep(best_out.candidate_ms, against, band)
                 rep.speedup = against / best_out.candidate_ms if math.isfinite(against) else None
                 rep.best = {"params": cand.params, "source": cand.source_ref,
                             "source_hash": cand.source_hash, "candidate_ms": best_out.candidate_ms,

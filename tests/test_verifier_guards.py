@@ -482,6 +482,7 @@ def test_keep_requires_a_win_larger_than_the_noise_band():
     assert keep(0.90, 1.0, 0.05)
     assert not keep(0.97, 1.0, 0.05)
     assert not keep(math.inf, 1.0, 0.0)
+    assert not keep(0.5, math.inf, 0.05)     # an incumbent with no time is never beaten
     assert noise_band(1.0, 1.1) == pytest.approx(0.1)
 
 

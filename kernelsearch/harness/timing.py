@@ -76,11 +76,11 @@ def noise_band(first_ms: float, second_ms: float) -> float:
 
 
 def keep(candidate_ms: float, incumbent_ms: float, noise_band: float) -> bool:
-    """Keep the candidate only if faster than the incumbent by more than the noise band."""
-    if not math.isfinite(candidate_ms):
+    """Keep the candidate only if faster than the incumbent by more than the noise band. An
+    incumbent with no time (inf: its timing failed, or NULL from the ledger) is never shown
+    slower, so nothing is kept against it."""
+    if not (math.isfinite(candidate_ms) and math.isfinite(incumbent_ms)):
         return False
-    if not math.isfinite(incumbent_ms):
-        return True
     band = noise_band if (noise_band is not None and math.isfinite(noise_band)) else 0.0
     return candidate_ms * (1.0 + band) < incumbent_ms
 
