@@ -170,6 +170,20 @@ hf_pair() {  # hf_pair A B NAME_A NAME_B DIR: the hf-llama rows (hf compiled, pa
     cp "$OUT/hf/results.json" "$5/s-$which.json"; rm -rf "$OUT/hf"
   done
 }
+judge_compare() {  # judge_compare TABLE JUDGE_S JSON NAME_A NAME_B PREFIX: a copy of TABLE judged
+  # ($OUT/dispatch-judged.json; the judge's results to JSON), then the built-in rows on both,
+  # alternating, and the hf-llama rows on both ($OUT/rows.json)
+  local new=$OUT/dispatch-judged.json rows
+  cp "$1" "$new"
+  judge_step "$new" $2 "$3"
+  rows=$(mktemp -d)   # a warm machine keeps /tmp: never an earlier stage's rows
+  alternate_rows "$1" "$new" $4 $5 $6 "$rows"
+  hf_pair "$1" "$new" $4 $5 "$rows"
+  merge_rows "$rows"
+}
+seed_ledger() {  # seed_ledger LEDGER: $ST's ledger = a copy of LEDGER
+  mkdir -p $ST; cp "$1" $ST/ledger.sqlite
+}
 merge_rows() {  # merge_rows DIR: every DIR/*.json into $OUT/rows.json, keyed by file name (8 files)
   python3 -c "import json, sys, pathlib; pathlib.Path(sys.argv[1]).write_text(json.dumps({pathlib.Path(f).stem: json.loads(pathlib.Path(f).read_text()) for f in sys.argv[2:]}))" \
       "$OUT/rows.json" "$1"/*.json
@@ -401,20 +415,13 @@ S)
 T)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
-  ledger=${3:?usage: issue13_gpu.sh T SEARCHED LEDGER}
-  mkdir -p $ST; cp "$ledger" $ST/ledger.sqlite
-  judged=$OUT/dispatch-judged.json; cp "$table" "$judged"
-  judge_step "$judged" ${JUDGE_S:-200} "$OUT/t-judge.json"
-  rows=$(mktemp -d)   # a warm machine keeps /tmp: never an earlier stage's rows
-  alternate_rows "$table" "$judged" searched judged r "$rows"
-  hf_pair "$table" "$judged" searched judged "$rows"
-  merge_rows "$rows"
-  gap_rows "$judged" 120 ;;
+  seed_ledger "${3:?usage: issue13_gpu.sh T SEARCHED LEDGER}"
+  judge_compare "$table" ${JUDGE_S:-200} "$OUT/t-judge.json" searched judged r
+  gap_rows "$OUT/dispatch-judged.json" 120 ;;
 U)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
-  ledger=${3:?usage: issue13_gpu.sh U JUDGED LEDGER}
-  mkdir -p $ST; cp "$ledger" $ST/ledger.sqlite
+  seed_ledger "${3:?usage: issue13_gpu.sh U JUDGED LEDGER}"
   search_attention "$table" ${ATTN_EVALS:-40} ${ATTN_BUDGET:-170} ${ATTN_S:-230} /tmp/u-attn.json
   new=$OUT/dispatch-judged.json; mv "$OUT/dispatch.json" "$new"
   judge_step "$new" ${JUDGE_S:-120} "$OUT/u-judge.json"
@@ -425,14 +432,8 @@ U)
 V)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
-  ledger=${3:?usage: issue13_gpu.sh V JUDGED LEDGER}
-  mkdir -p $ST; cp "$ledger" $ST/ledger.sqlite
-  new=$OUT/dispatch-judged.json; cp "$table" "$new"
-  JUDGE_TOP=${JUDGE_TOP:-8} judge_step "$new" ${JUDGE_S:-200} "$OUT/v-judge.json"
-  rows=$(mktemp -d)   # a warm machine keeps /tmp: never an earlier stage's rows
-  alternate_rows "$table" "$new" given new v "$rows"
-  hf_pair "$table" "$new" given new "$rows"
-  merge_rows "$rows" ;;
+  seed_ledger "${3:?usage: issue13_gpu.sh V JUDGED LEDGER}"
+  JUDGE_TOP=${JUDGE_TOP:-8} judge_compare "$table" ${JUDGE_S:-200} "$OUT/v-judge.json" given new v ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1
