@@ -616,7 +616,8 @@ def test_ensure_table_starts_a_kernel_only_when_its_share_of_the_budget_is_likel
         calls.append({"kernel": kernel, "shapes": shapes, "dtype": dtype, "budget": budget,
                       "path": dispatch_path, "device": device, "limit": kw.get("time_limit_s")})
         _time.sleep(0.4)  # 0.4 s for one evaluation of one shape
-        return type("R", (), {"shapes": [ks.ShapeReport(shape=s, dtype=dtype, stock_ms=1.0) for s in shapes]})()
+        return type("R", (), {"shapes": [ks.ShapeReport(shape=s, dtype=dtype, stock_ms=1.0) for s in shapes],
+                          "unfinished": []})()
 
     monkeypatch.setattr(ks, "search", fake_search)
     shapes = {"rmsnorm": [{"M": 1, "N": 64}, {"M": 2, "N": 64}], "matmul": [{"M": 1, "K": 64, "N": 64}]}
@@ -772,7 +773,8 @@ calls = []
 
 def fake_search(kernel, *, shapes, dtype, **kw):
     calls.append([kernel, shapes])
-    return type("R", (), {"shapes": [ks.ShapeReport(shape=s, dtype=dtype, stock_ms=1.0) for s in shapes]})()
+    return type("R", (), {"shapes": [ks.ShapeReport(shape=s, dtype=dtype, stock_ms=1.0) for s in shapes],
+                          "unfinished": []})()
 
 ks.search = fake_search
 _, fresh = ensure_table(state_dir=state, device="cpu", dtype="float32", shapes={"rmsnorm": [shape]},

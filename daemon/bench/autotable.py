@@ -195,7 +195,7 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
         call_s.append(time.monotonic() - t)
         work.append(max(1, int(evals)) * len(todo))
         against = spec.stock_name
-        cut = [_canonical(u) for u in getattr(result, "unfinished", [])]
+        cut = [_canonical(u) for u in result.unfinished]
         if cut:
             skipped.append(f"{kernel} x{len(cut)} (cut short by the time budget; a later run goes on)")
         for r in result.shapes:
