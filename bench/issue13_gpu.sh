@@ -53,6 +53,10 @@
 #                                        reads and the verifier guards, bench/harness_gpu.py --quick,
 #                                        the built-in rows (tuned-nopdl, tuned) on TABLE, then
 #                                        bench/pdl_probe.py at batch 1 (pre+late split: late+apre, late+gpre)
+#   bench/issue13_gpu.sh W TABLE         ncu of the tuned step's first 12 kernels of ours on TABLE
+#                                        (bench/ncu_step.py; NCU_S s a batch), batch 1 and 32: $OUT/ncu-b1.txt, ncu-b32.txt
+#   bench/issue13_gpu.sh X               any H100 or H200: the four fused templates searched at batch 1
+#                                        and 32 (EVALS a shape, BUDGET s), then W on that table
 #   bench/issue13_gpu.sh Q TABLE         the step judge: TABLE less the three projection templates and
 #                                        rope_kv_attention, those searched again (their configs in a fresh
 #                                        ledger: $OUT/ledger.sqlite; $OUT/dispatch.json), then `hwtune bench
@@ -208,6 +212,31 @@ doc["entries"] = [e for e in doc["entries"] if e["kernel"] not in drop.split(","
 (state / "dispatch" / f"{fp}.json").write_text(json.dumps(doc))
 print(f"seeded {len(doc['entries'])} entries" + (f" ({drop} left out)" if drop else "") + f" for {fp}")
 PY
+}
+device_table() {  # device_table TABLE: stop here unless TABLE was made on this device (its fingerprint):
+  # elsewhere no entry routes and every "tuned" row would time stock (a lent call may get an H100)
+  python3 - "$1" <<'PY' || exit 3
+import json, sys
+from kernelsearch.fingerprint import collect, fingerprint_id
+path = sys.argv[1]
+want, here = json.load(open(path)).get("fingerprint_id"), fingerprint_id(collect("cuda"))
+if want != here:
+    print(f"stopped: {path} is for {want}, this device is {here}: none of its entries would route here")
+    sys.exit(1)
+PY
+}
+ncu_layers() {  # ncu_layers TABLE: the tuned step on TABLE under ncu (bench/ncu_step.py), batch 1 and
+  # 32: the first 12 of our kernels of its last step, each alone (plain launches, caches flushed
+  # between replays; NCU_S seconds a batch) -> $OUT/ncu-b1.txt, ncu-b32.txt
+  local b
+  for b in 1 32; do
+    timeout ${NCU_S:-200} ncu --clock-control none --profile-from-start off \
+        -k "regex:_gemv_kernel|_splitk_kernel|_rope_attn_kernel|_combine_kernel|_rmsnorm_kernel" \
+        --launch-count 12 --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section MemoryWorkloadAnalysis \
+        python3 bench/ncu_step.py --table "$1" --batch $b > "$OUT/ncu-b$b.txt" 2>&1
+    echo "ncu b$b rc=$?"
+  done
 }
 case "$what" in
 A)
@@ -392,6 +421,7 @@ Q)
 R)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  device_table "$table"
   judged=${3:?usage: issue13_gpu.sh R SEARCHED JUDGED}
   n=0
   for t in "$table" "$judged" "$table" "$judged"; do
@@ -403,6 +433,7 @@ R)
 S)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  device_table "$table"
   judged=${3:?usage: issue13_gpu.sh S SEARCHED JUDGED}
   for which in searched judged; do
     t=$table; [ $which = judged ] && t=$judged
@@ -415,12 +446,14 @@ S)
 T)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  device_table "$table"
   seed_ledger "${3:?usage: issue13_gpu.sh T SEARCHED LEDGER}"
   judge_compare "$table" ${JUDGE_S:-200} "$OUT/t-judge.json" searched judged r
   gap_rows "$OUT/dispatch-judged.json" 120 ;;
 U)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  device_table "$table"
   seed_ledger "${3:?usage: issue13_gpu.sh U JUDGED LEDGER}"
   search_attention "$table" ${ATTN_EVALS:-40} ${ATTN_BUDGET:-170} ${ATTN_S:-230} /tmp/u-attn.json
   new=$OUT/dispatch-judged.json; mv "$OUT/dispatch.json" "$new"
@@ -432,8 +465,23 @@ U)
 V)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  device_table "$table"
   seed_ledger "${3:?usage: issue13_gpu.sh V JUDGED LEDGER}"
   JUDGE_TOP=${JUDGE_TOP:-8} judge_compare "$table" ${JUDGE_S:-200} "$OUT/v-judge.json" given new v ;;
+W)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  device_table "$table"
+  ncu_layers "$table" ;;
+X)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  timeout ${SEARCH_S:-260} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels rmsnorm_linear,rope_kv_attention,linear_residual,rmsnorm_gate_up_swiglu \
+      --budget-s ${BUDGET:-240} --evals ${EVALS:-12}
+  echo "search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+  ncu_layers "$OUT/dispatch.json" ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1

@@ -258,3 +258,22 @@ def test_bench_gaps_gpu_finds_each_layer_position_past_a_lazy_prologue_and_a_tra
     assert rows[1]["median_us"] == 12.0 and rows[1]["n"] == 21  # 7 layers x 3 steps
     assert "| 1 | `qkv` | 12.00 |" in mod.position_table(rows)
     assert "no per-position table" in mod.position_table(mod.layer_positions([[ev("a", 1)]], 8))
+
+
+def test_bench_ncu_step_runs_the_tuned_step_and_names_each_route(capsys):
+    """bench/ncu_step.py (what issue13_gpu.sh's stage W runs under ncu) builds the model, runs
+    the tuned step and prints each call's route; with run 14's H200 table on the CPU (fp32, no
+    entry at these shapes) every call is stock, and says why."""
+    import importlib.util
+
+    from tests.conftest import ROOT as repo
+
+    spec = importlib.util.spec_from_file_location("ncu_step", repo / "bench" / "ncu_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    table = repo / "bench" / "results" / "h200-issue13" / "run14" / "U" / "dispatch-judged.json"
+    assert mod.main(["--table", str(table), "--device", "cpu", "--preset", "tiny",
+                     "--layers", "2", "--ctx", "8", "--steps", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all(" stock " in line and "no table entry" in line for line in lines)
+    assert any(line.startswith("linear ") for line in lines)
