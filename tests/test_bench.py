@@ -472,6 +472,28 @@ def test_ensure_table_searches_only_the_missing_shapes_within_the_budget_and_the
     assert t is not None and t.path == given and "not searched into" in note and not lines
     assert not (tmp_path / "other").exists()
 
+
+def test_ensure_table_says_when_a_given_table_was_made_for_another_device(tmp_path):
+    """A table searched on an H200, given on another device: route() refuses every entry there
+    (fingerprint), so the note must not read "N of M decode shapes have an entry"."""
+    from daemon.bench.autotable import ensure_table
+    from kernelsearch.fingerprint import collect, fingerprint_id
+
+    given = tmp_path / "h200.json"
+    here = fingerprint_id(collect("cpu"))
+    for fp, routes in (("nvidia-h200-50678010", False), (here, True)):
+        given.write_text(json.dumps({"format": 1, "fingerprint_id": fp, "entries": []}))
+        t, note = ensure_table(state_dir=tmp_path / "s", device="cpu", dtype="float32",
+                               shapes={"rmsnorm": [{"M": 2, "N": 64}]}, budget_s=120, table_path=given,
+                               progress=lambda line: None)
+        assert t is not None and "not searched into" in note
+        if routes:
+            assert "0 of 1 decode shapes have an entry" in note and "none of its" not in note, note
+        else:
+            assert (f"made for nvidia-h200-50678010, this device is {here}: none of its 0 entries "
+                    f"for these 1 decode shapes routes here, every call runs stock") in note, note
+
+
 def test_report_never_divides_one_workload_by_another_and_notes_a_dtype_change():
     from daemon.bench import report
     from daemon.bench.run import FAIR_NOTE
