@@ -57,6 +57,10 @@
 #                                        (bench/ncu_step.py; NCU_S s a batch), batch 1 and 32: $OUT/ncu-b1.txt, ncu-b32.txt
 #   bench/issue13_gpu.sh X               any H100 or H200: the four fused templates searched at batch 1
 #                                        and 32 (EVALS a shape, BUDGET s), then W on that table
+#   bench/issue13_gpu.sh Y [TABLE]       after X, same machine: on X's table (or TABLE) the built-in rows
+#                                        (graphed, tuned-nopdl, tuned), the judge on a copy, the rows on
+#                                        judged, judged, searched, the hf-llama rows on judged twice (all in
+#                                        rows.json), then the gap breakdown on judged (run 15, by hand)
 #   bench/issue13_gpu.sh Q TABLE         the step judge: TABLE less the three projection templates and
 #                                        rope_kv_attention, those searched again (their configs in a fresh
 #                                        ledger: $OUT/ledger.sqlite; $OUT/dispatch.json), then `hwtune bench
@@ -482,6 +486,28 @@ X)
   echo "search rc=$?"
   cp $ST/dispatch/*.json "$OUT/dispatch.json"
   ncu_layers "$OUT/dispatch.json" ;;
+Y)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  # after X on the same (warm) machine: its table, or TABLE
+  [ -n "$table" ] || table=$(ls $ST/dispatch/*.json | head -1)
+  device_table "$table"
+  s=$OUT/searched.json j=$OUT/judged.json rows=$(mktemp -d)
+  cp "$table" "$s"; cp "$table" "$j"
+  step_rows "$s" graphed,tuned-nopdl,tuned r1-searched.json 80; mv "$OUT/r1-searched.json" "$rows"/
+  judge_step "$j" ${JUDGE_S:-150} "$rows/judge.json"
+  step_rows "$j" tuned-nopdl,tuned r2-judged.json 50; mv "$OUT/r2-judged.json" "$rows"/
+  step_rows "$j" tuned-nopdl,tuned r3-judged.json 50; mv "$OUT/r3-judged.json" "$rows"/
+  step_rows "$s" tuned-nopdl,tuned r4-searched.json 50; mv "$OUT/r4-searched.json" "$rows"/
+  for n in 1 2; do
+    timeout 100 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
+        --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune --budget-s 90 --steps 32 \
+        --warmup 4 --check 4 --energy-window-s 0 --table "$j" --out "$OUT/hf"
+    echo "hf judged $n rc=$?"
+    cp "$OUT/hf/results.json" "$rows/hf-$n.json"; rm -rf "$OUT/hf"
+  done
+  merge_rows "$rows"
+  gap_rows "$j" 100 ;;
 search)
   timeout ${SEARCH_S:-540} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
       --budget-s ${BUDGET:-480} --evals ${EVALS:-8} --json "$OUT/search.json" > "$OUT/search.log" 2>&1
