@@ -57,6 +57,12 @@ def test_tiny_model_bench_on_cpu_measures_prefill_and_decode_with_a_fingerprint(
     assert {"rmsnorm (layer 0)", "add_rmsnorm (attention)", "linear qkv", "rope + kv write",
             "decode_attention", "swiglu", "linear down", "add_rmsnorm (final)", "lm_head"} <= set(kernels)
     assert all(impl.startswith("stock") for impl in kernels.values()), kernels
+    # timed, but the stock step: the row and the table say so, not a bare "ok"
+    from daemon.bench.run import ALL_STOCK, format_table
+    assert decode["tuned"]["warning"] == ALL_STOCK and "warning" not in decode["eager"]
+    assert any(line.startswith("tuned ") and line.endswith(f"  ok; {ALL_STOCK}")
+               for line in format_table(doc).splitlines()), format_table(doc)
+    assert f"- tuned 2x16: {ALL_STOCK}" in (out / "run" / "report.md").read_text()
     assert decode["tuned"]["kernels_per_layer"] == decode["tuned"]["kernels_per_layer_stock"]
     # no fused entry: both tuned variants run the unfused step, and say why per fusion point
     assert decode["tuned-unfused"]["kernels"] == kernels
@@ -618,6 +624,7 @@ def test_bench_with_a_given_table_runs_its_entries_and_does_not_search(verified_
     tuned = next(r for r in doc["decode"] if r["variant"] == "tuned")
     assert tuned["status"] == "ok" and tuned["rel_l2_vs_eager"] < 1e-4, tuned
     assert tuned["kernels"]["swiglu"].startswith("tuned kernelsearch.kernels.swiglu")
+    assert "warning" not in tuned   # one tuned kernel ran: not the all-stock warning
     assert "no speedup recorded" in tuned["kernels"]["swiglu"]  # the entry's own speedup field
     assert tuned["kernels"]["linear o"].startswith("stock (no table entry")
     assert "not searched into" in doc["kernel_table"]["note"] and doc["kernel_table"]["search"] == []

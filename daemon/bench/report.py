@@ -132,6 +132,10 @@ def markdown(doc: dict, base: dict | None = None, png_name: str | None = "report
         lines += ["", "Not measured:", ""]
         for r in failed:
             lines.append(f"- {r['variant']} {r['batch']}x{r.get('ctx', r.get('tokens'))}: {r.get('status')}")
+    warned = [r for r in doc.get("decode", []) if r.get("status") == "ok" and r.get("warning")]
+    if warned:
+        lines += ["", "Measured, with a warning:", ""]
+        lines += [f"- {r['variant']} {r['batch']}x{r['ctx']}: {r['warning']}" for r in warned]
     floors = [f for f in doc.get("floors", []) if f.get("floor_ms")]
     if floors:
         lines += ["", "## Decode bandwidth floor", "",

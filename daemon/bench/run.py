@@ -42,6 +42,7 @@ EXTRA_VARIANTS = ("tuned-nopdl",)
 # asked, whether the table's kernels launch with programmatic dependent launch where the device
 # has it). tuned-nopdl is tuned launched plainly: what PDL gives, in the same run.
 TUNED_VARIANTS = {"tuned": (True, True), "tuned-unfused": (False, True), "tuned-nopdl": (True, False)}
+ALL_STOCK = "no tuned kernel ran: every call is stock (see its kernels)"
 FAIR_NOTE = ("All variants run the same model with the same fused weights (one QKV matrix, "
              "one gate/up matrix) and the same static KV cache; eager, graphed and compile apply "
              "RoPE as one batched matmul before the KV-cache write; the tuned variant is the "
@@ -425,6 +426,10 @@ class Bench:
                             row["avg_power_w"] = e["energy_j"] / e["wall_s"]
                 if row["rel_l2_vs_eager"] > tol:
                     row["warning"] = "logits differ from eager beyond bf16 noise"
+                if variant in TUNED_VARIANTS and row.get("kernels") and not any(
+                        str(v).startswith("tuned") for v in row["kernels"].values()):
+                    # timed, but it is the stock step: say so where the row is read
+                    row["warning"] = "; ".join(filter(None, [row.get("warning"), ALL_STOCK]))
             except Exception as exc:
                 row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
                 row["traceback"] = traceback.format_exc(limit=6)[-2000:]
@@ -441,7 +446,8 @@ class Bench:
                 pf = (f"no head {row['step_ms_no_head']:.3f} ms = {row['pct_of_floor']:.0f}% of floor"
                       if row.get("pct_of_floor") else "")
                 log(f"decode {variant:13s} B={batch:<3d} ctx={ctx:<5d} {row['step_ms']:.3f} ms "
-                    f"{row['tokens_per_s']:.0f} tok/s {tj} {pf} (err {row['rel_l2_vs_eager']:.1e})")
+                    f"{row['tokens_per_s']:.0f} tok/s {tj} {pf} (err {row['rel_l2_vs_eager']:.1e})"
+                    + (f"; {row['warning']}" if row.get("warning") else ""))
             else:
                 log(f"decode {variant:13s} B={batch:<3d} ctx={ctx:<5d} {row['status']}")
             fn = out = None
@@ -703,7 +709,7 @@ def format_table(doc: dict) -> str:
             f"{(format(r['pct_of_floor_with_head'], '.0f') + '%' if r.get('pct_of_floor_with_head') else '-'):>8s} "
             f"{(format(r['step_ms_no_head'], '.3f') if r.get('step_ms_no_head') else '-'):>10s} "
             f"{(format(r['pct_of_floor'], '.0f') + '%' if r.get('pct_of_floor') else '-'):>8s}  "
-            f"{r.get('status', '')[:60]}")
+            f"{r.get('status', '')[:60]}{'; ' + r['warning'] if ok and r.get('warning') else ''}")
     for f in doc.get("floors", []):
         if f.get("floor_ms"):
             lines.append(f"floor B={f['batch']} ctx={f['ctx']}: {f['floor_ms']:.3f} ms without LM head "
