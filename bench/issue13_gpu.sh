@@ -166,17 +166,18 @@ alternate_rows() {  # alternate_rows A B NAME_A NAME_B PREFIX DIR: the built-in 
     echo "table $which rc=$?"; mv "$OUT/$5-$n-$which.json" "$6"/ 2>/dev/null
   done
 }
+hf_row() {  # hf_row TABLE FILE TIMEOUT_S NAME: the hf-llama rows (hf compiled, patched) on TABLE -> FILE
+  # (killed after TIMEOUT_S, the bench's budget 10 s less)
+  timeout $3 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
+      --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune --budget-s $(($3 - 10)) --steps 32 \
+      --warmup 4 --check 4 --energy-window-s 0 --table "$1" --out "$OUT/hf"
+  echo "hf table $4 rc=$?"
+  cp "$OUT/hf/results.json" "$2"; rm -rf "$OUT/hf"
+}
 hf_pair() {  # hf_pair A B NAME_A NAME_B DIR: the hf-llama rows (hf compiled, patched) on A, then on B
   # -> DIR/s-NAME.json
-  local t which
-  for t in "$1" "$2"; do
-    which=$3; [ "$t" = "$2" ] && which=$4
-    timeout 130 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
-        --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune --budget-s 120 --steps 32 \
-        --warmup 4 --check 4 --energy-window-s 0 --table "$t" --out "$OUT/hf"
-    echo "hf table $which rc=$?"
-    cp "$OUT/hf/results.json" "$5/s-$which.json"; rm -rf "$OUT/hf"
-  done
+  hf_row "$1" "$5/s-$3.json" 130 $3
+  hf_row "$2" "$5/s-$4.json" 130 $4
 }
 judge_compare() {  # judge_compare TABLE JUDGE_S JSON NAME_A NAME_B PREFIX: a copy of TABLE judged
   # ($OUT/dispatch-judged.json; the judge's results to JSON), then the built-in rows on both,
@@ -499,13 +500,8 @@ Y)
   step_rows "$j" tuned-nopdl,tuned r2-judged.json 50; mv "$OUT/r2-judged.json" "$rows"/
   step_rows "$j" tuned-nopdl,tuned r3-judged.json 50; mv "$OUT/r3-judged.json" "$rows"/
   step_rows "$s" tuned-nopdl,tuned r4-searched.json 50; mv "$OUT/r4-searched.json" "$rows"/
-  for n in 1 2; do
-    timeout 100 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
-        --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune --budget-s 90 --steps 32 \
-        --warmup 4 --check 4 --energy-window-s 0 --table "$j" --out "$OUT/hf"
-    echo "hf judged $n rc=$?"
-    cp "$OUT/hf/results.json" "$rows/hf-$n.json"; rm -rf "$OUT/hf"
-  done
+  hf_row "$j" "$rows/hf-1.json" 100 judged-1
+  hf_row "$j" "$rows/hf-2.json" 100 judged-2
   merge_rows "$rows"
   gap_rows "$j" 100 ;;
 search)

@@ -138,7 +138,9 @@ class DispatchTable:
                 return e
         return None
 
-    def _fingerprint_ok(self, device_type: str) -> bool:
+    def routes_on(self, device_type: str) -> bool:
+        """Whether this table was made on this device (its fingerprint): `route` sends no call
+        to an entry elsewhere."""
         if device_type not in self._device_ok:
             from kernelsearch.fingerprint import collect, fingerprint_id
 
@@ -181,7 +183,7 @@ class DispatchTable:
         first = args[0]
         if not self.entries:
             return None, None, "empty table"
-        if not self._fingerprint_ok(first.device.type):
+        if not self.routes_on(first.device.type):
             return None, None, "fingerprint mismatch"
         from kernelsearch.specs import dtype_name
 

@@ -111,15 +111,15 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
         table, note = _load(table_path)
         if table is not None:
             tuned, n = _tuned_count(table, shapes, dtype)
-            want = table.data.get("fingerprint_id")
             try:
-                here = fingerprint_id(collect(device))
+                routes = table.routes_on(device.split(":")[0])
             except Exception:   # cannot tell: the per-call routes still say what ran
-                here = want
-            if want != here:   # route() refuses every entry here: say so, not "N have an entry"
+                routes = True
+            if not routes:   # route() refuses every entry here: say so, not "N have an entry"
+                want = table.data.get("fingerprint_id")
                 note += (f" (given, not searched into): made for {want or 'no fingerprint'}, this device "
-                         f"is {here}: none of its {tuned} entries for these {n} decode shapes routes "
-                         f"here, every call runs stock")
+                         f"is {fingerprint_id(collect(device))}: none of its {tuned} entries for these {n} "
+                         f"decode shapes routes here, every call runs stock")
             else:
                 note += f" (given, not searched into): {tuned} of {n} decode shapes have an entry, the rest run stock"
         return table, note
