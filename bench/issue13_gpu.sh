@@ -53,6 +53,10 @@
 #                                        reads and the verifier guards, bench/harness_gpu.py --quick,
 #                                        the built-in rows (tuned-nopdl, tuned) on TABLE, then
 #                                        bench/pdl_probe.py at batch 1 (pre+late split: late+apre, late+gpre)
+#                                        (V_HF=0: without the hf-llama rows; then VH JUDGED NEW gives them)
+#   bench/issue13_gpu.sh VH GIVEN NEW    the hf-llama rows (hf compiled, patched) on GIVEN, then NEW (rows.json)
+#   bench/issue13_gpu.sh guards          the GPU tests of PDL, early reads, the verifier guards,
+#                                        then bench/harness_gpu.py --quick (any card)
 #   bench/issue13_gpu.sh W TABLE         ncu of the tuned step's first 12 kernels of ours on TABLE
 #                                        (bench/ncu_step.py; NCU_S s a batch), batch 1 and 32: $OUT/ncu-b1.txt, ncu-b32.txt
 #   bench/issue13_gpu.sh X               any H100 or H200: the four fused templates searched at batch 1
@@ -187,7 +191,7 @@ judge_compare() {  # judge_compare TABLE JUDGE_S JSON NAME_A NAME_B PREFIX: a co
   judge_step "$new" $2 "$3"
   rows=$(mktemp -d)   # a warm machine keeps /tmp: never an earlier stage's rows
   alternate_rows "$1" "$new" $4 $5 $6 "$rows"
-  hf_pair "$1" "$new" $4 $5 "$rows"
+  [ "${V_HF:-1}" = 0 ] || hf_pair "$1" "$new" $4 $5 "$rows"   # V_HF=0: no hf-llama rows (stage VH)
   merge_rows "$rows"
 }
 seed_ledger() {  # seed_ledger LEDGER: $ST's ledger = a copy of LEDGER
@@ -473,6 +477,21 @@ V)
   device_table "$table"
   seed_ledger "${3:?usage: issue13_gpu.sh V JUDGED LEDGER}"
   JUDGE_TOP=${JUDGE_TOP:-8} judge_compare "$table" ${JUDGE_S:-200} "$OUT/v-judge.json" given new v ;;
+VH)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  device_table "$table"
+  rows=$(mktemp -d)
+  hf_pair "$table" "${3:?usage: issue13_gpu.sh VH GIVEN NEW}" given new "$rows"
+  merge_rows "$rows" ;;
+guards)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pdl.py tests/test_pdl_early.py \
+      tests/test_verifier_guards.py
+  echo "gpu tests rc=$?"
+  OUT=$OUT timeout ${HARNESS_S:-200} python3 bench/harness_gpu.py --quick > "$OUT/harness-gpu.txt" 2>&1
+  echo "harness_gpu rc=$?" ;;
 W)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
