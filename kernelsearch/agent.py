@@ -82,6 +82,8 @@ def context_notes(fingerprint: dict, model_family: str = "llama",
 def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device: str) -> str:
     import importlib
 
+    from kernelsearch.harness.source import MAX_AST_DEPTH
+
     doc = importlib.import_module(type(spec).__module__).__doc__ or ""
     lines = [f"# Task: a faster `{kernel}` kernel for {device}", "",
              f"Write `{CANDIDATE_NAME}` in this directory: a Python file with at least one "
@@ -99,7 +101,9 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "and the harness runs that plan on its own buffers.",
              "- top level: imports of triton, triton.language (any alias), libdevice; for host "
              "code only torch, math, functools, itertools, typing; assignments; functions. No "
-             "classes, no top-level calls/loops, no attribute assignment (monkeypatching).",
+             "classes, no top-level calls/loops, no attribute assignment (monkeypatching); "
+             f"at most 512 KiB and {MAX_AST_DEPTH} levels of syntax nesting (split a long "
+             "expression).",
              "- launch() may allocate (torch.empty/zeros/empty_like), make views (view, reshape, "
              "slicing, transpose, ...), zero a workspace (.zero_()) and launch kernels "
              "(`kernel[grid](...)`), nothing else: no torch compute, no data access (.item, "

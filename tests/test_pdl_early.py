@@ -111,6 +111,26 @@ def test_an_expression_nested_past_the_recursion_limit_is_no_prefix_and_no_crash
     assert "_k" not in src.early
 
 
+def test_a_source_nested_past_the_depth_limit_is_refused_before_any_recursive_check():
+    from kernelsearch.harness.source import MAX_AST_DEPTH, SourceError
+
+    def kernel(terms: int) -> str:
+        return (HEAD + "@triton.jit\ndef _k(w_ptr, out_ptr):\n"
+                f"    acc = tl.load(w_ptr{' + 1' * terms})\n    tl.store(out_ptr, acc)\n")
+
+    assert "_k" in KernelSource.parse(kernel(MAX_AST_DEPTH - 20)).kernels   # a long chain, still checked
+    with pytest.raises(SourceError, match=f"nested deeper than {MAX_AST_DEPTH} levels"):
+        KernelSource.parse(kernel(MAX_AST_DEPTH))
+    # the same answer where Python's recursion limit is low: the depth is measured without recursion
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(200, old // 4))
+    try:
+        with pytest.raises(SourceError):
+            KernelSource.parse(kernel(3000))
+    finally:
+        sys.setrecursionlimit(old)
+
+
 def test_a_constexpr_rebound_in_the_prefix_is_not_a_compile_time_test():
     n, reads = _early(OFFS + "EVEN = n > 0\nacc = tl.load(w_ptr + offs)\nif EVEN:\n    acc = tl.load(x_ptr + offs)\n"
                       + TAIL)

@@ -50,6 +50,10 @@ from pathlib import Path
 from kernelsearch.harness.plan import TL_DTYPES
 
 MAX_SOURCE_BYTES = 512 * 1024
+# Deepest AST a candidate may have (the templates reach 19): every check below recurses along
+# expressions, and a chain such as `w + 1 + 1 + ...` nests one level a term. Past this depth the
+# file is refused as a whole, before any recursive check, whatever Python's recursion limit is.
+MAX_AST_DEPTH = 100
 RESERVED_PREFIX = "_hwtune"   # names the generated module adds (PDL_PARAM, the gdc aliases)
 PDL_PARAM = "_hwtune_pdl"
 EARLY_READS_ATTR = "_hwtune_early_reads"
@@ -358,6 +362,18 @@ def early_prefix(fn: ast.FunctionDef, params, lang_aliases, triton_aliases, cons
     return n, frozenset(reads)
 
 
+def _too_deep(tree):
+    """The first node found deeper than MAX_AST_DEPTH in tree, or None (an explicit stack: no
+    recursion, so no depth can crash it)."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_AST_DEPTH:
+            return node
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return None
+
+
 def _union(*parts):
     if any(p is None for p in parts):
         return None
@@ -472,6 +488,10 @@ class _Checker:
         except (SyntaxError, ValueError, MemoryError, RecursionError) as exc:
             raise SourceError([f"line {getattr(exc, 'lineno', '?')}: not valid Python: "
                                f"{getattr(exc, 'msg', exc)}"]) from None
+        deep = _too_deep(tree)
+        if deep is not None:
+            raise SourceError([f"line {getattr(deep, 'lineno', '?')}: nested deeper than "
+                               f"{MAX_AST_DEPTH} levels (split the expression)"])
         for sub in ast.walk(tree):
             name = (sub.id if isinstance(sub, ast.Name) else sub.arg if isinstance(sub, ast.arg)
                     else sub.name if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
