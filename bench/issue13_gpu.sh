@@ -55,6 +55,13 @@
 #                                        bench/pdl_probe.py at batch 1 (pre+late split: late+apre, late+gpre)
 #                                        (V_HF=0: without the hf-llama rows; then VH JUDGED NEW gives them)
 #   bench/issue13_gpu.sh VH GIVEN NEW    the hf-llama rows (hf compiled, patched) on GIVEN, then NEW (rows.json)
+#   bench/issue13_gpu.sh UF TABLE        the unfused templates searched into TABLE (batch 1 and 32, 8 configs a
+#                                        shape: $OUT/dispatch.json), the built-in rows with tuned-unfused (the
+#                                        previous tuned step) three times, the hf-llama rows once (rows.json)
+#   bench/issue13_gpu.sh J32 TABLE       TABLE less the fused projections' batch-32 entries, those searched
+#                                        over all their configs, judged at batch 32 with 8 configs an entry
+#                                        ($OUT/dispatch-judged.json), the built-in rows on TABLE and the judged
+#                                        table, alternating (rows.json). UF and J32: run 16's hand-typed calls
 #   bench/issue13_gpu.sh guards          the GPU tests of PDL, early reads, the verifier guards,
 #                                        then bench/harness_gpu.py --quick (any card)
 #   bench/issue13_gpu.sh W TABLE         ncu of the tuned step's first 12 kernels of ours on TABLE
@@ -483,6 +490,59 @@ VH)
   device_table "$table"
   rows=$(mktemp -d)
   hf_pair "$table" "${3:?usage: issue13_gpu.sh VH GIVEN NEW}" given new "$rows"
+  merge_rows "$rows" ;;
+UF)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  device_table "$table"
+  # run 16's A and B (by hand there): the unfused templates searched into TABLE, the built-in rows
+  # (graphed once, then tuned-unfused, tuned-nopdl, tuned) three times, the hf-llama rows once
+  seed_table "$table"
+  timeout 400 python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels linear,add_rmsnorm,rmsnorm,rope_kv_write,decode_attention --budget-s 360 --evals 8 \
+      --json "$OUT/unfused-search.json"
+  echo "unfused search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+  rows=$(mktemp -d)
+  step_rows "$OUT/dispatch.json" graphed,tuned-unfused,tuned-nopdl,tuned uf-1.json 110; mv "$OUT/uf-1.json" "$rows"/
+  step_rows "$OUT/dispatch.json" tuned-unfused,tuned-nopdl,tuned uf-2.json 80; mv "$OUT/uf-2.json" "$rows"/
+  step_rows "$OUT/dispatch.json" tuned-unfused,tuned-nopdl,tuned uf-3.json 80; mv "$OUT/uf-3.json" "$rows"/
+  timeout 120 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
+      --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 110 --steps 32 \
+      --warmup 4 --check 4 --energy-window-s 0 --table "$OUT/dispatch.json" --out "$OUT/hf"
+  echo "hf rc=$?"
+  cp "$OUT/hf/results.json" "$rows/hf.json"; rm -rf "$OUT/hf"
+  merge_rows "$rows" ;;
+J32)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  device_table "$table"
+  # run 16's C and D (by hand there): TABLE less the batch-32 entries of the three fused projection
+  # templates, those searched again over all their configs, judged (top 8) at batch 32 into
+  # $OUT/dispatch-judged.json, then the built-in rows on TABLE and the judged table, alternating
+  python3 - "$table" "$ST" <<'PY'
+import json, sys
+from pathlib import Path
+from kernelsearch.fingerprint import collect, fingerprint_id
+doc = json.loads(Path(sys.argv[1]).read_text())
+fused = {"linear_residual", "rmsnorm_linear", "rmsnorm_gate_up_swiglu"}
+keep = [e for e in doc["entries"] if not (e["kernel"] in fused and e["shape"].get("M") == 32)]
+print(f"left out {len(doc['entries']) - len(keep)} batch-32 entries of the fused projections")
+doc["entries"] = keep
+(Path(sys.argv[2]) / "dispatch").mkdir(parents=True, exist_ok=True)
+(Path(sys.argv[2]) / "dispatch" / f"{fingerprint_id(collect('cuda'))}.json").write_text(json.dumps(doc))
+PY
+  timeout 200 python3 bench/search_decode.py --state-dir $ST --shapes 32x2048 \
+      --kernels linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s 180 --evals 40
+  echo "batch-32 search rc=$?"
+  new=$OUT/dispatch-judged.json; cp $ST/dispatch/*.json "$new"
+  timeout 170 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 32x2048 --variants tuned --judge-in-step --judge-top 8 --budget-s 160 --energy-window-s 0 \
+      --table "$new" --out "$OUT/j"
+  echo "judge rc=$?"
+  cp "$OUT/j/results.json" "$OUT/j32-judge.json"; rm -rf "$OUT/j" "$new.lock"
+  rows=$(mktemp -d)
+  alternate_rows "$table" "$new" given judged j "$rows"
   merge_rows "$rows" ;;
 guards)
   exec >> "$OUT/run.log" 2>&1
