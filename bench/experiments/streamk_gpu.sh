@@ -1,0 +1,56 @@
+#!/bin/bash
+# The stream-K O projection, measured (read-only; no GPU or host setting is changed):
+#   bench/experiments/streamk_gpu.sh
+# searches bench/experiments/linear_residual_streamk.py (through the harness: verified, timed
+# against stock) at the batch-32 linear_residual shapes into a fresh table, puts its entries into
+# a copy of this device's judged table (H200: run 14 U's, H100: run 16 C's), then times the
+# built-in rows on the given table and on that copy, alternating three times. At most 8 files
+# under $OUT.
+set -u -o pipefail
+export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1 PYTHONPATH=$PWD
+OUT=${OUT:-out/streamk}; mkdir -p "$OUT"
+ST=/tmp/streamk-state; rm -rf $ST; mkdir -p $ST
+exec > >(tee -a "$OUT/run.log") 2>&1
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+date -u; echo "commit ${COMMIT:-unknown}; $name"
+case "$name" in
+  *H200*) given=bench/results/h200-issue13/run14/U/dispatch-judged.json ;;
+  *) given=bench/results/h100-issue13/run16/C/judged32.json ;;
+esac
+cp "$given" "$OUT/given.json"
+timeout ${SEARCH_S:-150} python3 -m daemon.cli --read-only --state-dir $ST search linear_residual \
+    --source bench/experiments/linear_residual_streamk.py --device cuda --dtype bfloat16 \
+    --shape M=32,K=4096,N=4096 --shape M=32,K=14336,N=4096 --budget all \
+    --dispatch-out "$OUT/streamk.json" > $ST/search.log 2>&1
+echo "search rc=$?"; tail -14 $ST/search.log
+python3 - "$OUT/given.json" "$OUT/streamk.json" "$OUT/new.json" <<'PY'
+import json, sys
+given, found = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+print(f"given table {given.get('fingerprint_id')}, stream-K table {found.get('fingerprint_id')}")
+def key(e):
+    return e["kernel"], json.dumps(e["shape"], sort_keys=True)
+entries = {key(e): i for i, e in enumerate(given["entries"])}
+for e in found["entries"]:
+    i = entries.get(key(e))
+    old = given["entries"][i] if i is not None else None
+    print(f"{e['kernel']} {e['shape']}: stream-K {e['params']} {e['candidate_ms'] * 1e3:.2f} us "
+          f"(stock {e['stock_ms'] * 1e3:.2f}); given "
+          + (f"{old['params']} {old['candidate_ms'] * 1e3:.2f} us" if old else "none (stock)"))
+    if i is None:
+        given["entries"].append(e)
+    else:
+        given["entries"][i] = e
+json.dump(given, open(sys.argv[3], "w"))
+PY
+for n in 1 2 3; do
+  for t in given new; do
+    timeout 60 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+        --shapes 1x2048,32x2048 --variants tuned-nopdl,tuned --budget-s 50 --energy-window-s 0 \
+        --table "$OUT/$t.json" --out $ST/b > $ST/b.log 2>&1
+    echo "rows $t $n rc=$?"; grep -A4 "^variant" $ST/b.log | sed "s/^/$t$n /"
+    cp $ST/b/results.json "$ST/rows-$n-$t.json"; rm -rf $ST/b
+  done
+done
+python3 -c "import json, sys, pathlib; pathlib.Path(sys.argv[1]).write_text(json.dumps({pathlib.Path(f).stem: json.loads(pathlib.Path(f).read_text()) for f in sys.argv[2:]}))" \
+    "$OUT/rows.json" $ST/rows-*.json
+cp $ST/search.log "$OUT/search.log"
