@@ -22,6 +22,11 @@ The weight tile is tl.dot's left operand (swapab: wgmma on sm_90), x's rows its 
 the [BLOCK_N, BLOCK_M] accumulator is transposed once per tile. fp32 accumulation, residual
 added in fp32, cast on store; fp32 operands use exact (ieee) dots; on the CPU (the interpreter,
 whose bf16 arithmetic is wrong) operands are upcast.
+
+Measured (run 17, BENCHMARKS.md 10l, H100): it loses. The 4096 x 4096 O took 22.1 us against
+19.5 for the 64-program swapab template tile and 18.2 for cuBLAS + add. The 14336 -> 4096 down took
+48.7 us against 46.9 (swapab, 2 splits), and was 0.65% slower in the batch-32 step. Kept here as
+a record and a starting point, not as a template.
 """
 from __future__ import annotations
 
