@@ -53,7 +53,6 @@
 #                                        reads and the verifier guards, bench/harness_gpu.py --quick,
 #                                        the built-in rows (tuned-nopdl, tuned) on TABLE, then
 #                                        bench/pdl_probe.py at batch 1 (pre+late split: late+apre, late+gpre)
-#                                        (V_HF=0: without the hf-llama rows; then VH JUDGED NEW gives them)
 #   bench/issue13_gpu.sh VH GIVEN NEW    the hf-llama rows (hf compiled, patched) on GIVEN, then NEW (rows.json)
 #   bench/issue13_gpu.sh UF TABLE        the unfused templates searched into TABLE (batch 1 and 32, 8 configs a
 #                                        shape: $OUT/dispatch.json), the built-in rows with tuned-unfused (the
@@ -97,6 +96,7 @@
 #                                        (default 8) configs an entry ($OUT/dispatch-judged.json, v-judge.json),
 #                                        the built-in rows on JUDGED and the new table, twice, then the hf-llama
 #                                        rows (hf compiled, patched) on both (rows.json)
+#                                        (V_HF=0: without the hf-llama rows; then VH JUDGED NEW gives them)
 # Writes at most 8 files under $OUT.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1
@@ -496,19 +496,20 @@ UF)
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
   device_table "$table"
   # run 16's A and B (by hand there): the unfused templates searched into TABLE, the built-in rows
-  # (graphed once, then tuned-unfused, tuned-nopdl, tuned) three times, the hf-llama rows once
+  # (graphed once, then tuned-unfused, tuned-nopdl, tuned) three times, the hf-llama rows once;
+  # every timeout together within one 600 s device call (run 16: 121 s of search, ~25 s a row)
   seed_table "$table"
-  timeout 400 python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
-      --kernels linear,add_rmsnorm,rmsnorm,rope_kv_write,decode_attention --budget-s 360 --evals 8 \
+  timeout 250 python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels linear,add_rmsnorm,rmsnorm,rope_kv_write,decode_attention --budget-s 220 --evals 8 \
       --json "$OUT/unfused-search.json"
   echo "unfused search rc=$?"
   cp $ST/dispatch/*.json "$OUT/dispatch.json"
   rows=$(mktemp -d)
-  step_rows "$OUT/dispatch.json" graphed,tuned-unfused,tuned-nopdl,tuned uf-1.json 110; mv "$OUT/uf-1.json" "$rows"/
-  step_rows "$OUT/dispatch.json" tuned-unfused,tuned-nopdl,tuned uf-2.json 80; mv "$OUT/uf-2.json" "$rows"/
-  step_rows "$OUT/dispatch.json" tuned-unfused,tuned-nopdl,tuned uf-3.json 80; mv "$OUT/uf-3.json" "$rows"/
-  timeout 120 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
-      --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 110 --steps 32 \
+  step_rows "$OUT/dispatch.json" graphed,tuned-unfused,tuned-nopdl,tuned uf-1.json 80; mv "$OUT/uf-1.json" "$rows"/
+  step_rows "$OUT/dispatch.json" tuned-unfused,tuned-nopdl,tuned uf-2.json 60; mv "$OUT/uf-2.json" "$rows"/
+  step_rows "$OUT/dispatch.json" tuned-unfused,tuned-nopdl,tuned uf-3.json 60; mv "$OUT/uf-3.json" "$rows"/
+  timeout 110 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
+      --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 100 --steps 32 \
       --warmup 4 --check 4 --energy-window-s 0 --table "$OUT/dispatch.json" --out "$OUT/hf"
   echo "hf rc=$?"
   cp "$OUT/hf/results.json" "$rows/hf.json"; rm -rf "$OUT/hf"
@@ -519,7 +520,8 @@ J32)
   device_table "$table"
   # run 16's C and D (by hand there): TABLE less the batch-32 entries of the three fused projection
   # templates, those searched again over all their configs, judged (top 8) at batch 32 into
-  # $OUT/dispatch-judged.json, then the built-in rows on TABLE and the judged table, alternating
+  # $OUT/dispatch-judged.json, then the built-in rows on TABLE and the judged table, alternating;
+  # every timeout together within one 600 s device call (run 16: 42 s search, ~30 s judge)
   python3 - "$table" "$ST" <<'PY'
 import json, sys
 from pathlib import Path
@@ -532,12 +534,12 @@ doc["entries"] = keep
 (Path(sys.argv[2]) / "dispatch").mkdir(parents=True, exist_ok=True)
 (Path(sys.argv[2]) / "dispatch" / f"{fingerprint_id(collect('cuda'))}.json").write_text(json.dumps(doc))
 PY
-  timeout 200 python3 bench/search_decode.py --state-dir $ST --shapes 32x2048 \
-      --kernels linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s 180 --evals 40
+  timeout 150 python3 bench/search_decode.py --state-dir $ST --shapes 32x2048 \
+      --kernels linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s 130 --evals 40
   echo "batch-32 search rc=$?"
   new=$OUT/dispatch-judged.json; cp $ST/dispatch/*.json "$new"
-  timeout 170 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 32x2048 --variants tuned --judge-in-step --judge-top 8 --budget-s 160 --energy-window-s 0 \
+  timeout 150 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes 32x2048 --variants tuned --judge-in-step --judge-top 8 --budget-s 140 --energy-window-s 0 \
       --table "$new" --out "$OUT/j"
   echo "judge rc=$?"
   cp "$OUT/j/results.json" "$OUT/j32-judge.json"; rm -rf "$OUT/j" "$new.lock"
