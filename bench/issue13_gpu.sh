@@ -177,10 +177,10 @@ alternate_rows() {  # alternate_rows A B NAME_A NAME_B PREFIX DIR: the built-in 
     echo "table $which rc=$?"; mv "$OUT/$5-$n-$which.json" "$6"/ 2>/dev/null
   done
 }
-hf_row() {  # hf_row TABLE FILE TIMEOUT_S NAME: the hf-llama rows (hf compiled, patched) on TABLE -> FILE
-  # (killed after TIMEOUT_S, the bench's budget 10 s less)
+hf_row() {  # hf_row TABLE FILE TIMEOUT_S NAME [VARIANTS]: the hf-llama rows (default hf compiled,
+  # patched) on TABLE -> FILE (killed after TIMEOUT_S, the bench's budget 10 s less)
   timeout $3 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
-      --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune --budget-s $(($3 - 10)) --steps 32 \
+      --shapes 1x2048,32x2048 --variants ${5:-hf-compiled,hf-hwtune} --budget-s $(($3 - 10)) --steps 32 \
       --warmup 4 --check 4 --energy-window-s 0 --table "$1" --out "$OUT/hf"
   echo "hf table $4 rc=$?"
   cp "$OUT/hf/results.json" "$2"; rm -rf "$OUT/hf"
@@ -212,21 +212,24 @@ backup_ledger() {  # a search killed by its timeout leaves its rows in the -wal:
   python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
       $ST/ledger.sqlite "$OUT/ledger.sqlite"
 }
-seed_table() {  # seed_table TABLE [KERNEL,...]: $ST's table for this device = TABLE, less those kernels' entries
-  python3 - "$1" "$ST" "${2:-}" <<'PY'
+seed_table() {  # seed_table TABLE [KERNEL,... [M]]: $ST's table for this device = TABLE, less those
+  # kernels' entries (with M: only their entries at that batch, shape M)
+  python3 - "$1" "$ST" "${2:-}" "${3:-}" <<'PY'
 import json, sys
 from pathlib import Path
 from kernelsearch.fingerprint import collect, fingerprint_id
-seed, state, drop = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+seed, state, drop, at_m = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 doc = json.loads(Path(seed).read_text())
 fp = fingerprint_id(collect("cuda"))
 if doc.get("fingerprint_id") != fp:
     print(f"seed table is for {doc.get('fingerprint_id')}, this device is {fp}: not seeded")
     sys.exit(0)
-doc["entries"] = [e for e in doc["entries"] if e["kernel"] not in drop.split(",")]
+doc["entries"] = [e for e in doc["entries"] if e["kernel"] not in drop.split(",")
+                  or (at_m and e["shape"].get("M") != int(at_m))]
 (state / "dispatch").mkdir(parents=True, exist_ok=True)
 (state / "dispatch" / f"{fp}.json").write_text(json.dumps(doc))
-print(f"seeded {len(doc['entries'])} entries" + (f" ({drop} left out)" if drop else "") + f" for {fp}")
+print(f"seeded {len(doc['entries'])} entries" + (f" ({drop} left out" + (f" at M={at_m})" if at_m else ")")
+                                                  if drop else "") + f" for {fp}")
 PY
 }
 device_table() {  # device_table TABLE: stop here unless TABLE was made on this device (its fingerprint):
@@ -508,11 +511,7 @@ UF)
   step_rows "$OUT/dispatch.json" graphed,tuned-unfused,tuned-nopdl,tuned uf-1.json 80; mv "$OUT/uf-1.json" "$rows"/
   step_rows "$OUT/dispatch.json" tuned-unfused,tuned-nopdl,tuned uf-2.json 60; mv "$OUT/uf-2.json" "$rows"/
   step_rows "$OUT/dispatch.json" tuned-unfused,tuned-nopdl,tuned uf-3.json 60; mv "$OUT/uf-3.json" "$rows"/
-  timeout 110 python3 -m daemon.cli --read-only --state-dir $ST bench --model hf-llama --layers 8 \
-      --shapes 1x2048,32x2048 --variants hf-compiled,hf-hwtune-unfused,hf-hwtune --budget-s 100 --steps 32 \
-      --warmup 4 --check 4 --energy-window-s 0 --table "$OUT/dispatch.json" --out "$OUT/hf"
-  echo "hf rc=$?"
-  cp "$OUT/hf/results.json" "$rows/hf.json"; rm -rf "$OUT/hf"
+  hf_row "$OUT/dispatch.json" "$rows/hf.json" 110 uf hf-compiled,hf-hwtune-unfused,hf-hwtune
   merge_rows "$rows" ;;
 J32)
   exec >> "$OUT/run.log" 2>&1
@@ -522,18 +521,7 @@ J32)
   # templates, those searched again over all their configs, judged (top 8) at batch 32 into
   # $OUT/dispatch-judged.json, then the built-in rows on TABLE and the judged table, alternating;
   # every timeout together within one 600 s device call (run 16: 42 s search, ~30 s judge)
-  python3 - "$table" "$ST" <<'PY'
-import json, sys
-from pathlib import Path
-from kernelsearch.fingerprint import collect, fingerprint_id
-doc = json.loads(Path(sys.argv[1]).read_text())
-fused = {"linear_residual", "rmsnorm_linear", "rmsnorm_gate_up_swiglu"}
-keep = [e for e in doc["entries"] if not (e["kernel"] in fused and e["shape"].get("M") == 32)]
-print(f"left out {len(doc['entries']) - len(keep)} batch-32 entries of the fused projections")
-doc["entries"] = keep
-(Path(sys.argv[2]) / "dispatch").mkdir(parents=True, exist_ok=True)
-(Path(sys.argv[2]) / "dispatch" / f"{fingerprint_id(collect('cuda'))}.json").write_text(json.dumps(doc))
-PY
+  seed_table "$table" linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu 32
   timeout 150 python3 bench/search_decode.py --state-dir $ST --shapes 32x2048 \
       --kernels linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s 130 --evals 40
   echo "batch-32 search rc=$?"

@@ -115,13 +115,14 @@ def ensure_table(*, state_dir, device: str, dtype: str, shapes: dict[str, list[d
                 routes = table.routes_on(device.split(":")[0])
             except Exception:   # cannot tell: the per-call routes still say what ran
                 routes = True
+            note += " (given, not searched into): "
             if not routes:   # route() refuses every entry here: say so, not "N have an entry"
                 want = table.data.get("fingerprint_id")
-                note += (f" (given, not searched into): made for {want or 'no fingerprint'}, this device "
-                         f"is {fingerprint_id(collect(device))}: none of its {tuned} entries for these {n} "
+                note += (f"made for {want or 'no fingerprint'}, this device is "
+                         f"{fingerprint_id(collect(device))}: none of its {tuned} entries for these {n} "
                          f"decode shapes routes here, every call runs stock")
             else:
-                note += f" (given, not searched into): {tuned} of {n} decode shapes have an entry, the rest run stock"
+                note += f"{tuned} of {n} decode shapes have an entry, the rest run stock"
         return table, note
 
     if state_dir is None:

@@ -539,12 +539,9 @@ class _Checker:
             raise SourceError(self.problems)
         nodes = [self.normalised(fn) for fn in jit_defs]
         early = {}
-        for fn in nodes:
-            try:
-                n, reads = early_prefix(fn, kernels[fn.name].params, self.lang_aliases, self.triton_aliases,
-                                        constexpr_globals, kernels[fn.name].constexprs)
-            except RecursionError:   # an expression nested past Python's limit: no early prefix
-                n, reads = 0, frozenset()
+        for fn in nodes:   # at most MAX_AST_DEPTH deep (checked above): no recursion limit to catch
+            n, reads = early_prefix(fn, kernels[fn.name].params, self.lang_aliases, self.triton_aliases,
+                                    constexpr_globals, kernels[fn.name].constexprs)
             if reads:
                 early[fn.name] = (n, reads)
         return KernelSource(self.text, hashlib.sha256(self.text.encode()).hexdigest(), kernels,
