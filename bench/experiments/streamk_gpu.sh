@@ -23,25 +23,7 @@ timeout ${SEARCH_S:-150} python3 -m daemon.cli --read-only --state-dir $ST searc
     --shape M=32,K=4096,N=4096 --shape M=32,K=14336,N=4096 --budget all \
     --dispatch-out "$OUT/streamk.json" > $ST/search.log 2>&1
 echo "search rc=$?"; tail -14 $ST/search.log
-python3 - "$OUT/given.json" "$OUT/streamk.json" "$OUT/new.json" <<'PY'
-import json, sys
-given, found = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
-print(f"given table {given.get('fingerprint_id')}, stream-K table {found.get('fingerprint_id')}")
-def key(e):
-    return e["kernel"], json.dumps(e["shape"], sort_keys=True)
-entries = {key(e): i for i, e in enumerate(given["entries"])}
-for e in found["entries"]:
-    i = entries.get(key(e))
-    old = given["entries"][i] if i is not None else None
-    print(f"{e['kernel']} {e['shape']}: stream-K {e['params']} {e['candidate_ms'] * 1e3:.2f} us "
-          f"(stock {e['stock_ms'] * 1e3:.2f}); given "
-          + (f"{old['params']} {old['candidate_ms'] * 1e3:.2f} us" if old else "none (stock)"))
-    if i is None:
-        given["entries"].append(e)
-    else:
-        given["entries"][i] = e
-json.dump(given, open(sys.argv[3], "w"))
-PY
+python3 bench/experiments/merge_entries.py "$OUT/given.json" "$OUT/streamk.json" "$OUT/new.json" stream-K
 for n in 1 2 3; do
   for t in given new; do
     timeout 60 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \

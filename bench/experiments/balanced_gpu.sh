@@ -1,0 +1,74 @@
+#!/bin/bash
+# The balanced-grid gate/up, and a wider batch-1 judge, measured (read-only; no GPU or host
+# setting is changed):
+#   bench/experiments/balanced_gpu.sh
+# 1. searches bench/experiments/rmsnorm_gate_up_swiglu_balanced.py through the harness (verified,
+#    timed against stock) at the batch-32 gate/up shape into a fresh table, puts its entry into a
+#    copy of this device's judged table (H200: run 18 J32's, H100: run 16 C's), judges that copy's
+#    batch-32 step with 8 configs an entry (so the balanced configs meet each other in the step),
+#    then times the batch-32 rows on the given table and on the judged copy, alternating three times;
+# 2. (WIDE=0 skips it) judges a copy of the given table's batch-1 step with 32 configs an entry:
+#    on an H200 from run 14 U's ledger (its 40 rope_kv_attention configs and Q's projection
+#    configs), elsewhere from a fresh ledger of rope_kv_attention searched at batch 1 (40 configs),
+#    then the batch-1 rows on the given table and that copy, alternating twice.
+# BAL=0 skips part 1.
+# At most 8 files under $OUT.
+set -u -o pipefail
+export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1 PYTHONPATH=$PWD
+OUT=${OUT:-out/balanced}; mkdir -p "$OUT"
+ST=/tmp/balanced-state; rm -rf $ST; mkdir -p $ST
+exec > >(tee -a "$OUT/run.log") 2>&1
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+date -u; echo "commit ${COMMIT:-unknown}; $name"
+case "$name" in
+  *H200*) given=bench/results/h200-issue13/run18/J32/dispatch-judged.json; h200=1 ;;
+  *) given=bench/results/h100-issue13/run16/C/judged32.json; h200=0 ;;
+esac
+cp "$given" $ST/given.json
+rows() {  # rows TABLE SHAPES LABEL: the built-in rows (tuned-nopdl, tuned) -> $ST/rows-LABEL.json
+  timeout 60 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes "$2" --variants tuned-nopdl,tuned --budget-s 50 --energy-window-s 0 \
+      --table "$1" --out $ST/b > $ST/b.log 2>&1
+  echo "rows $3 rc=$?"; grep -A3 "^variant" $ST/b.log | sed "s/^/$3 /"
+  cp $ST/b/results.json "$ST/rows-$3.json"; rm -rf $ST/b
+}
+judge() {  # judge TABLE SHAPES TOP JSON: the step judge on TABLE (written back in place)
+  timeout 170 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+      --shapes "$2" --variants tuned --judge-in-step --judge-top $3 --budget-s 160 --energy-window-s 0 \
+      --table "$1" --out $ST/j > $ST/j.log 2>&1
+  echo "judge rc=$?"; grep "step judge" $ST/j.log | cut -c1-1600
+  cp $ST/j/results.json "$4"; rm -rf $ST/j "$1.lock"
+}
+
+if [ "${BAL:-1}" = 1 ]; then
+timeout 150 python3 -m daemon.cli --read-only --state-dir $ST search rmsnorm_gate_up_swiglu \
+    --source bench/experiments/rmsnorm_gate_up_swiglu_balanced.py --device cuda --dtype bfloat16 \
+    --shape M=32,K=4096,I=14336 --budget all --dispatch-out $ST/balanced.json > $ST/search.log 2>&1
+echo "search rc=$?"; tail -14 $ST/search.log
+python3 bench/experiments/merge_entries.py $ST/given.json $ST/balanced.json $ST/new.json balanced
+judge $ST/new.json 32x2048 8 $ST/judge32.json
+for n in 1 2 3; do
+  rows $ST/given.json 32x2048 b32-$n-given
+  rows $ST/new.json 32x2048 b32-$n-balanced
+done
+fi
+if [ "${WIDE:-1}" = 1 ]; then
+  if [ "$h200" = 1 ]; then
+    cp bench/results/h200-issue13/run14/U/ledger.sqlite $ST/ledger.sqlite
+  else
+    timeout 130 python3 bench/search_decode.py --state-dir $ST --shapes 1x2048 \
+        --kernels rope_kv_attention --budget-s 110 --evals 40 > $ST/attn-search.log 2>&1
+    echo "attention search rc=$?"; tail -4 $ST/attn-search.log; cp $ST/attn-search.log "$OUT/"
+  fi
+  cp $ST/given.json $ST/wide.json
+  judge $ST/wide.json 1x2048 32 $ST/judge1.json
+  for n in 1 2; do
+    rows $ST/given.json 1x2048 b1-$n-given
+    rows $ST/wide.json 1x2048 b1-$n-wide
+  done
+  cp $ST/wide.json "$OUT/wide-judged.json"
+fi
+python3 -c "import json, sys, pathlib; pathlib.Path(sys.argv[1]).write_text(json.dumps({pathlib.Path(f).stem: json.loads(pathlib.Path(f).read_text()) for f in sys.argv[2:]}))" \
+    "$OUT/rows.json" $ST/rows-*.json $ST/judge*.json
+if [ -f $ST/search.log ]; then cp $ST/search.log "$OUT/search.log"; fi
+if [ -f $ST/new.json ]; then cp $ST/new.json "$OUT/balanced-judged.json"; fi
