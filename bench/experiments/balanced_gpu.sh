@@ -13,13 +13,7 @@
 #    then the batch-1 rows on the given table and that copy, alternating twice.
 # BAL=0 skips part 1.
 # At most 8 files under $OUT.
-set -u -o pipefail
-export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1 PYTHONPATH=$PWD
-OUT=${OUT:-out/balanced}; mkdir -p "$OUT"
-ST=/tmp/balanced-state; rm -rf $ST; mkdir -p $ST
-exec > >(tee -a "$OUT/run.log") 2>&1
-name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-date -u; echo "commit ${COMMIT:-unknown}; $name"
+. bench/experiments/common.sh balanced
 case "$name" in
   *H200*) given=bench/results/h200-issue13/run18/J32/dispatch-judged.json; h200=1 ;;
   *) given=bench/results/h100-issue13/run16/C/judged32.json; h200=0 ;;

@@ -6,13 +6,7 @@
 # a copy of this device's judged table (H200: run 14 U's, H100: run 16 C's), then times the
 # built-in rows on the given table and on that copy, alternating three times. At most 8 files
 # under $OUT.
-set -u -o pipefail
-export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1 PYTHONPATH=$PWD
-OUT=${OUT:-out/streamk}; mkdir -p "$OUT"
-ST=/tmp/streamk-state; rm -rf $ST; mkdir -p $ST
-exec > >(tee -a "$OUT/run.log") 2>&1
-name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-date -u; echo "commit ${COMMIT:-unknown}; $name"
+. bench/experiments/common.sh streamk
 case "$name" in
   *H200*) given=bench/results/h200-issue13/run14/U/dispatch-judged.json ;;
   *) given=bench/results/h100-issue13/run16/C/judged32.json ;;

@@ -1,0 +1,39 @@
+#!/bin/bash
+# The batch-1 attention's combine spread over the head dimension, measured (read-only; no GPU or
+# host setting is changed):
+#   bench/experiments/combine_gpu.sh
+# searches bench/experiments/rope_kv_attention_combine.py through the harness (verified, timed
+# against stock) at the built-in model's batch-1 attention shape into a fresh table, puts its entry
+# into a copy of this device's table (H200: run 18 J32's, H100: run 18's wide-judged one: both hold
+# the step judge's batch-1 attention entry, whose config the candidate repeats with the template's
+# combine as the control), judges that copy's batch-1 step with 8 configs an entry (so the combine
+# configs meet in the step), then times the batch-1 rows on the given table and the judged copy,
+# alternating three times. At most 8 files under $OUT.
+. bench/experiments/common.sh combine
+case "$name" in
+  *H200*) given=bench/results/h200-issue13/run18/J32/dispatch-judged.json ;;
+  *) given=bench/results/h100-issue13/run18-wide/wide-judged.json ;;
+esac
+cp "$given" $ST/given.json
+timeout 150 python3 -m daemon.cli --read-only --state-dir $ST search rope_kv_attention \
+    --source bench/experiments/rope_kv_attention_combine.py --device cuda --dtype bfloat16 \
+    --shape B=1,Hq=32,Hkv=8,D=128,S=2112 --budget all --dispatch-out $ST/combine.json > $ST/search.log 2>&1
+echo "search rc=$?"; tail -14 $ST/search.log
+python3 bench/experiments/merge_entries.py $ST/given.json $ST/combine.json $ST/new.json combine
+timeout ${JUDGE_S:-170} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+    --shapes 1x2048 --variants tuned --judge-in-step --judge-top 8 --budget-s $((${JUDGE_S:-170} - 10)) --energy-window-s 0 \
+    --table $ST/new.json --out $ST/j > $ST/j.log 2>&1
+echo "judge rc=$?"; grep "step judge" $ST/j.log | cut -c1-1600
+cp $ST/j/results.json $ST/judge1.json; rm -rf $ST/j $ST/new.json.lock
+for n in $(seq 1 ${ROUNDS:-3}); do
+  for t in given new; do
+    timeout 60 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
+        --shapes 1x2048 --variants tuned-nopdl,tuned --budget-s 50 --energy-window-s 0 \
+        --table $ST/$t.json --out $ST/b > $ST/b.log 2>&1
+    echo "rows $t $n rc=$?"; grep -A3 "^variant" $ST/b.log | sed "s/^/$t$n /"
+    cp $ST/b/results.json "$ST/rows-b1-$n-$t.json"; rm -rf $ST/b
+  done
+done
+python3 -c "import json, sys, pathlib; pathlib.Path(sys.argv[1]).write_text(json.dumps({pathlib.Path(f).stem: json.loads(pathlib.Path(f).read_text()) for f in sys.argv[2:]}))" \
+    "$OUT/rows.json" $ST/rows-*.json $ST/judge1.json
+cp $ST/search.log "$OUT/search.log"; cp $ST/new.json "$OUT/combine-judged.json"
