@@ -1,14 +1,15 @@
 #!/bin/bash
-# The batch-1 attention's combine spread over the head dimension, measured (read-only; no GPU or
-# host setting is changed):
-#   bench/experiments/combine_gpu.sh
-# searches bench/experiments/rope_kv_attention_combine.py through the harness (verified, timed
-# against stock) at the built-in model's batch-1 attention shape into a fresh table, puts its entry
-# into a copy of this device's table (H200: run 18 J32's, H100: run 18's wide-judged one: both hold
-# the step judge's batch-1 attention entry, whose config the candidate repeats with the template's
-# combine as the control), judges that copy's batch-1 step with 8 configs an entry (so the combine
-# configs meet in the step), then times the batch-1 rows on the given table and the judged copy,
-# alternating three times. At most 8 files under $OUT.
+# A rope_kv_attention candidate at batch 1, measured in the step (read-only; no GPU or host
+# setting is changed):
+#   [CANDIDATE=bench/experiments/rope_kv_attention_lean.py] bench/experiments/combine_gpu.sh
+# searches CANDIDATE (default bench/experiments/rope_kv_attention_combine.py, the combine spread
+# over the head dimension) through the harness (verified, timed against stock) at the built-in
+# model's batch-1 attention shape into a fresh table, and puts its entry into a copy of this
+# device's table (H200: run 18 J32's, H100: run 18's wide-judged one; both candidates' CONFIGS
+# include those tables' batch-1 attention configs). Then it judges that copy's batch-1 step with 8
+# configs an entry (so the candidate's configs meet in the step), and times the batch-1 rows on
+# the given table and the judged copy, alternating three times (ROUNDS; JUDGE_S bounds the judge).
+# At most 8 files under $OUT.
 . bench/experiments/common.sh combine
 case "$name" in
   *H200*) given=bench/results/h200-issue13/run18/J32/dispatch-judged.json ;;
@@ -16,10 +17,10 @@ case "$name" in
 esac
 cp "$given" $ST/given.json
 timeout 150 python3 -m daemon.cli --read-only --state-dir $ST search rope_kv_attention \
-    --source bench/experiments/rope_kv_attention_combine.py --device cuda --dtype bfloat16 \
+    --source ${CANDIDATE:-bench/experiments/rope_kv_attention_combine.py} --device cuda --dtype bfloat16 \
     --shape B=1,Hq=32,Hkv=8,D=128,S=2112 --budget all --dispatch-out $ST/combine.json > $ST/search.log 2>&1
 echo "search rc=$?"; tail -14 $ST/search.log
-python3 bench/experiments/merge_entries.py $ST/given.json $ST/combine.json $ST/new.json combine
+python3 bench/experiments/merge_entries.py $ST/given.json $ST/combine.json $ST/new.json "$(basename ${CANDIDATE:-combine} .py)"
 timeout ${JUDGE_S:-170} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
     --shapes 1x2048 --variants tuned --judge-in-step --judge-top 8 --budget-s $((${JUDGE_S:-170} - 10)) --energy-window-s 0 \
     --table $ST/new.json --out $ST/j > $ST/j.log 2>&1
