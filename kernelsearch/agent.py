@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernelsearch.harness.source import MAX_AST_DEPTH, MAX_SOURCE_BYTES
+
 CONTEXT_DIR = Path(__file__).resolve().parent.parent / "context"
 CANDIDATE_NAME = "candidate.py"
 LOG_TAIL_BYTES = 4000
@@ -82,8 +84,6 @@ def context_notes(fingerprint: dict, model_family: str = "llama",
 def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device: str) -> str:
     import importlib
 
-    from kernelsearch.harness.source import MAX_AST_DEPTH
-
     doc = importlib.import_module(type(spec).__module__).__doc__ or ""
     lines = [f"# Task: a faster `{kernel}` kernel for {device}", "",
              f"Write `{CANDIDATE_NAME}` in this directory: a Python file with at least one "
@@ -102,8 +102,8 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "- top level: imports of triton, triton.language (any alias), libdevice; for host "
              "code only torch, math, functools, itertools, typing; assignments; functions. No "
              "classes, no top-level calls/loops, no attribute assignment (monkeypatching); "
-             f"at most 512 KiB and {MAX_AST_DEPTH} levels of syntax nesting (split a long "
-             "expression).",
+             f"at most {MAX_SOURCE_BYTES // 1024} KiB and {MAX_AST_DEPTH} levels of syntax "
+             "nesting (split a long expression).",
              "- launch() may allocate (torch.empty/zeros/empty_like), make views (view, reshape, "
              "slicing, transpose, ...), zero a workspace (.zero_()) and launch kernels "
              "(`kernel[grid](...)`), nothing else: no torch compute, no data access (.item, "
@@ -252,12 +252,12 @@ def run_agent(config: AgentConfig, work_dir: Path) -> AgentOutcome:
     return out
 
 
-MAX_CANDIDATE_BYTES = 512 * 1024
+MAX_CANDIDATE_BYTES = MAX_SOURCE_BYTES   # what the checker would refuse is not read either
 
 
 def read_candidate(path: Path, owner_uid: int | None) -> bytes:
     """The agent's file, read through one descriptor opened without following links: a regular
-    file with one link, owned by the agent user (or by us), at most 512 KiB. Raises
+    file with one link, owned by the agent user (or by us), at most MAX_CANDIDATE_BYTES. Raises
     FileNotFoundError when absent, PermissionError for anything else."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
