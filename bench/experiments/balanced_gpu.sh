@@ -19,21 +19,6 @@ case "$name" in
   *) given=bench/results/h100-issue13/run16/C/judged32.json; h200=0 ;;
 esac
 cp "$given" $ST/given.json
-rows() {  # rows TABLE SHAPES LABEL: the built-in rows (tuned-nopdl, tuned) -> $ST/rows-LABEL.json
-  timeout 60 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes "$2" --variants tuned-nopdl,tuned --budget-s 50 --energy-window-s 0 \
-      --table "$1" --out $ST/b > $ST/b.log 2>&1
-  echo "rows $3 rc=$?"; grep -A3 "^variant" $ST/b.log | sed "s/^/$3 /"
-  cp $ST/b/results.json "$ST/rows-$3.json"; rm -rf $ST/b
-}
-judge() {  # judge TABLE SHAPES TOP JSON: the step judge on TABLE (written back in place)
-  timeout 170 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes "$2" --variants tuned --judge-in-step --judge-top $3 --budget-s 160 --energy-window-s 0 \
-      --table "$1" --out $ST/j > $ST/j.log 2>&1
-  echo "judge rc=$?"; grep "step judge" $ST/j.log | cut -c1-1600
-  cp $ST/j/results.json "$4"; rm -rf $ST/j "$1.lock"
-}
-
 if [ "${BAL:-1}" = 1 ]; then
 timeout 150 python3 -m daemon.cli --read-only --state-dir $ST search rmsnorm_gate_up_swiglu \
     --source bench/experiments/rmsnorm_gate_up_swiglu_balanced.py --device cuda --dtype bfloat16 \
@@ -62,7 +47,6 @@ if [ "${WIDE:-1}" = 1 ]; then
   done
   cp $ST/wide.json "$OUT/wide-judged.json"
 fi
-python3 -c "import json, sys, pathlib; pathlib.Path(sys.argv[1]).write_text(json.dumps({pathlib.Path(f).stem: json.loads(pathlib.Path(f).read_text()) for f in sys.argv[2:]}))" \
-    "$OUT/rows.json" $ST/rows-*.json $ST/judge*.json
+merge_json "$OUT/rows.json" $ST/rows-*.json $ST/judge*.json
 if [ -f $ST/search.log ]; then cp $ST/search.log "$OUT/search.log"; fi
 if [ -f $ST/new.json ]; then cp $ST/new.json "$OUT/balanced-judged.json"; fi

@@ -21,20 +21,10 @@ timeout 150 python3 -m daemon.cli --read-only --state-dir $ST search rope_kv_att
     --shape B=1,Hq=32,Hkv=8,D=128,S=2112 --budget all --dispatch-out $ST/combine.json > $ST/search.log 2>&1
 echo "search rc=$?"; tail -14 $ST/search.log
 python3 bench/experiments/merge_entries.py $ST/given.json $ST/combine.json $ST/new.json "$(basename ${CANDIDATE:-combine} .py)"
-timeout ${JUDGE_S:-170} python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-    --shapes 1x2048 --variants tuned --judge-in-step --judge-top 8 --budget-s $((${JUDGE_S:-170} - 10)) --energy-window-s 0 \
-    --table $ST/new.json --out $ST/j > $ST/j.log 2>&1
-echo "judge rc=$?"; grep "step judge" $ST/j.log | cut -c1-1600
-cp $ST/j/results.json $ST/judge1.json; rm -rf $ST/j $ST/new.json.lock
+judge $ST/new.json 1x2048 8 $ST/judge1.json
 for n in $(seq 1 ${ROUNDS:-3}); do
-  for t in given new; do
-    timeout 60 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-        --shapes 1x2048 --variants tuned-nopdl,tuned --budget-s 50 --energy-window-s 0 \
-        --table $ST/$t.json --out $ST/b > $ST/b.log 2>&1
-    echo "rows $t $n rc=$?"; grep -A3 "^variant" $ST/b.log | sed "s/^/$t$n /"
-    cp $ST/b/results.json "$ST/rows-b1-$n-$t.json"; rm -rf $ST/b
-  done
+  rows $ST/given.json 1x2048 b1-$n-given
+  rows $ST/new.json 1x2048 b1-$n-new
 done
-python3 -c "import json, sys, pathlib; pathlib.Path(sys.argv[1]).write_text(json.dumps({pathlib.Path(f).stem: json.loads(pathlib.Path(f).read_text()) for f in sys.argv[2:]}))" \
-    "$OUT/rows.json" $ST/rows-*.json $ST/judge1.json
+merge_json "$OUT/rows.json" $ST/rows-*.json $ST/judge1.json
 cp $ST/search.log "$OUT/search.log"; cp $ST/new.json "$OUT/combine-judged.json"

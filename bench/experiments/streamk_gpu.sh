@@ -19,14 +19,8 @@ timeout ${SEARCH_S:-150} python3 -m daemon.cli --read-only --state-dir $ST searc
 echo "search rc=$?"; tail -14 $ST/search.log
 python3 bench/experiments/merge_entries.py "$OUT/given.json" "$OUT/streamk.json" "$OUT/new.json" stream-K
 for n in 1 2 3; do
-  for t in given new; do
-    timeout 60 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-        --shapes 1x2048,32x2048 --variants tuned-nopdl,tuned --budget-s 50 --energy-window-s 0 \
-        --table "$OUT/$t.json" --out $ST/b > $ST/b.log 2>&1
-    echo "rows $t $n rc=$?"; grep -A4 "^variant" $ST/b.log | sed "s/^/$t$n /"
-    cp $ST/b/results.json "$ST/rows-$n-$t.json"; rm -rf $ST/b
-  done
+  rows "$OUT/given.json" 1x2048,32x2048 $n-given
+  rows "$OUT/new.json" 1x2048,32x2048 $n-new
 done
-python3 -c "import json, sys, pathlib; pathlib.Path(sys.argv[1]).write_text(json.dumps({pathlib.Path(f).stem: json.loads(pathlib.Path(f).read_text()) for f in sys.argv[2:]}))" \
-    "$OUT/rows.json" $ST/rows-*.json
+merge_json "$OUT/rows.json" $ST/rows-*.json
 cp $ST/search.log "$OUT/search.log"
