@@ -10,17 +10,20 @@ built-in Llama-3-8B-shaped model (O 33.5 MB, QKV 50 MB, down 117 MB, gate|up 235
   - pdl: the same chain launched with programmatic dependent launch, each kernel waiting first
     and letting the next one launch after its loop (the step's default "late" trigger): the
     next kernel's launch overlaps this one's tail, as in the decode step;
-  - the linear_residual template's batch-1 configs at the O shape (plain launches, the same
-    timer), for the template's distance from the ceiling in the same run.
+  - the linear_residual template's CONFIGS at the O shape, batch 1 and 32 (plain launches, the
+    same timer), for the template's distance from the ceiling in the same run.
 % of copy = bytes / time / the bench's copy bandwidth (daemon.bench.run: a 2 GB device copy,
-read + written bytes over its median time), the figure the step's floor uses. Every sum is checked against an fp64 sum first.
+read + written bytes over its median time), the figure the step's floor uses. Every sum is
+checked against an fp64 sum first.
 
 With --sweep it also times a wider slice of linear_residual's SPACE at the O shape than its
 CONFIGS (batch 1: gemv tiles of 4-8 rows, up to 16 K splits, so that many programs each load one
 or two tiles, as the fastest reads do; batch 32: swapab tiles with up to 8 K splits), each config
-checked against fp64 first, plain launches, the same timer.
+checked against fp64 first, plain launches, the same timer. With --rows it times only a "rows"
+GEMV at batch 1 instead (R whole weight rows a program, all of K in one load: the fastest reads'
+shape), at the O, QKV and down shapes, plain and PDL-chained.
 
-    python3 bench/experiments/read_ceiling.py [--quick] [--sweep] [--json OUT]
+    python3 bench/experiments/read_ceiling.py [--quick] [--sweep] [--rows] [--json OUT]
 """
 from __future__ import annotations
 
