@@ -8,8 +8,10 @@ Programs 0..P_O-1 are O programs: each computes 8 rows of h, stores them, and co
 into a global-memory counter (CTA barrier, then a release atomic). Programs P_O.. are gate/up
 programs: each spins on that counter (acquire) until all P_O O programs have arrived, then runs
 the norm + gate/up + SwiGLU GEMV on h (read with .cg: L1 is not coherent across SMs). The last
-gate/up program to finish sets both counters back to 0 (CUDA-graph safe). Blocks are dispatched
-in order, so every O program is placed before any gate/up program can spin. With PRE=1 a
+gate/up program to finish sets both counters back to 0 (CUDA-graph safe). The probe assumes
+what the hardware does in practice but CUDA does not promise: blocks are placed in index order,
+so every O program is resident before a gate/up program can spin (all 512 fit in one wave at
+80-88 registers); a kernel built from this would need that guarantee first. With PRE=1 a
 gate/up program first loads its first gate and up tiles (values dropped) so that they are in
 L2 when the counter releases it.
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The "rows" O projection (the candidate bench/experiments/linear_residual_rows.py writes, with its
-# BLOCK_N 1, 4-warp config alone) in the batch-1 step, with and without early reads (read-only; no GPU or host setting is
-# changed): bench/experiments/rows_early_gpu.sh
+# BLOCK_N 1, 4-warp config alone) in the batch-1 step, with and without early reads (read-only;
+# no GPU or host setting is changed): bench/experiments/rows_early_gpu.sh
 # The rows kernel's early prefix is its whole weight tile, so with HWTUNE_PDL_EARLY=1 every
 # resident O program loads all of its weight before it waits for the attention ahead. The script
 # searches that one config at the O shape (4096 x 4096, batch 1) into a fresh table, puts the
