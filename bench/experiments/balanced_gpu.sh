@@ -2,7 +2,7 @@
 # The balanced-grid gate/up, and a wider batch-1 judge, measured (read-only; no GPU or host
 # setting is changed):
 #   bench/experiments/balanced_gpu.sh
-# 1. searches bench/experiments/rmsnorm_gate_up_swiglu_balanced.py through the harness (verified,
+# 1. searches the candidate of bench/experiments/rmsnorm_gate_up_swiglu_balanced.patch through the harness (verified,
 #    timed against stock) at the batch-32 gate/up shape into a fresh table, puts its entry into a
 #    copy of this device's judged table (H200: run 18 J32's, H100: run 16 C's), judges that copy's
 #    batch-32 step with 8 configs an entry (so the balanced configs meet each other in the step),
@@ -20,8 +20,9 @@ case "$name" in
 esac
 cp "$given" $ST/given.json
 if [ "${BAL:-1}" = 1 ]; then
+cand=$(candidate rmsnorm_gate_up_swiglu_balanced) || exit 1
 timeout 150 python3 -m daemon.cli --read-only --state-dir $ST search rmsnorm_gate_up_swiglu \
-    --source bench/experiments/rmsnorm_gate_up_swiglu_balanced.py --device cuda --dtype bfloat16 \
+    --source $cand --device cuda --dtype bfloat16 \
     --shape M=32,K=4096,I=14336 --budget all --dispatch-out $ST/balanced.json > $ST/search.log 2>&1
 echo "search rc=$?"; tail -14 $ST/search.log
 python3 bench/experiments/merge_entries.py $ST/given.json $ST/balanced.json $ST/new.json balanced

@@ -1,7 +1,7 @@
 # Sourced by bench/experiments/*_gpu.sh: `. bench/experiments/common.sh NAME`. Read-only runs
 # (HWTUNE_READ_ONLY=1), $OUT (default out/NAME) with everything printed also in $OUT/run.log, a
 # fresh state directory $ST (/tmp/NAME-state), and $name, the card's name; then the helpers the
-# scripts share: rows, judge, merge_json.
+# scripts share: candidate, rows, judge, merge_json.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 HWTUNE_READ_ONLY=1 PYTHONPATH=$PWD
 OUT=${OUT:-out/$1}; mkdir -p "$OUT"
@@ -9,6 +9,10 @@ ST=/tmp/$1-state; rm -rf $ST; mkdir -p $ST
 exec > >(tee -a "$OUT/run.log") 2>&1
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 date -u; echo "commit ${COMMIT:-unknown}; $name"
+
+candidate() {  # candidate NAME: the template with bench/experiments/NAME.patch applied -> $ST/NAME.py (printed)
+  python3 bench/experiments/candidate.py "$1" "$ST/$1.py" && echo "$ST/$1.py"
+}
 
 rows() {  # rows TABLE SHAPES LABEL: the built-in rows (tuned-nopdl, tuned) on TABLE -> $ST/rows-LABEL.json
   timeout 60 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The "rows" O projection (the candidate bench/experiments/linear_residual_rows.py writes, with its
+# The "rows" O projection (the candidate of bench/experiments/linear_residual_rows.patch, with its
 # BLOCK_N 1, 4-warp config alone) in the batch-1 step, with and without early reads (read-only;
 # no GPU or host setting is changed): bench/experiments/rows_early_gpu.sh
 # The rows kernel's early prefix is its whole weight tile, so with HWTUNE_PDL_EARLY=1 every
@@ -9,8 +9,8 @@
 # and the copy, each with HWTUNE_PDL_EARLY unset and =1, alternating twice. At most 8 files under $OUT.
 . bench/experiments/common.sh early
 cp bench/results/h200-issue13/run18/J32/dispatch-judged.json $ST/given.json
-cand=$ST/lr_rows_only.py
-python3 bench/experiments/linear_residual_rows.py $cand --only-k1 || exit 1
+cand=$(candidate linear_residual_rows) || exit 1
+printf '\nCONFIGS = [p for p in CONFIGS if p["variant"] == "rows" and p["BLOCK_N"] == 1 and p["num_warps"] == 4]\n' >> $cand
 timeout 60 python3 -m daemon.cli --read-only --state-dir $ST search linear_residual --source $cand \
   --device cuda --dtype bfloat16 --shape M=1,N=4096,K=4096 --budget all --dispatch-out $ST/found.json > $ST/search.log 2>&1
 echo "search rc=$?"; tail -4 $ST/search.log

@@ -3,8 +3,8 @@
 # measured in the step (read-only; no GPU or host setting is changed):
 #   [CANDIDATE=FILE KERNEL=linear_residual SHAPES="M=1,N=4096,K=4096 M=1,N=4096,K=14336"] \
 #     bench/experiments/rows_gpu.sh
-# searches CANDIDATE (default: the linear_residual template with the rows variant added, every
-# config, as bench/experiments/linear_residual_rows.py writes it) through the harness
+# searches CANDIDATE (a file; default: the candidate of bench/experiments/linear_residual_rows.patch,
+# the linear_residual template with the rows variant added, every config) through the harness
 # at SHAPES into a fresh table, puts its entries into a copy of this device's table (H200: run 18
 # J32's, H100: run 18's wide-judged one), judges that copy's batch-1 step (8 configs an entry:
 # rows and the template's own gemv configs meet in the step), then times the batch-1 rows on the
@@ -18,8 +18,7 @@ case "$name" in
 esac
 cp "$given" $ST/given.json
 kernel=${KERNEL:-linear_residual}
-cand=${CANDIDATE:-$ST/linear_residual_rows.py}
-[ -n "${CANDIDATE:-}" ] || python3 bench/experiments/linear_residual_rows.py $cand || exit 1
+cand=${CANDIDATE:-$(candidate linear_residual_rows)} || exit 1
 shape_args=$(for s in ${SHAPES:-M=1,N=4096,K=4096 M=1,N=4096,K=14336}; do printf -- '--shape %s ' "$s"; done)
 timeout ${SEARCH_S:-200} python3 -m daemon.cli --read-only --state-dir $ST search $kernel \
     --source $cand --device cuda --dtype bfloat16 \
