@@ -160,10 +160,10 @@ model_rows() {  # model_rows TABLE: built-in rows, hf-llama rows, gap breakdown,
   cp "$OUT/hf/results.json" "$OUT/hf-results.json"; rm -rf "$OUT/hf"
   gap_rows "$1" 220
 }
-judge_step() {  # judge_step TABLE TIMEOUT_S JSON: `hwtune bench --judge-in-step` (tuned rows) on TABLE,
-  # judged and written back in place; the bench's results to JSON
+judge_step() {  # judge_step TABLE TIMEOUT_S JSON [SHAPES]: `hwtune bench --judge-in-step` (tuned rows;
+  # SHAPES default 1x2048,32x2048) on TABLE, judged and written back in place; the bench's results to JSON
   timeout $2 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 1x2048,32x2048 --variants tuned --judge-in-step ${JUDGE_TOP:+--judge-top $JUDGE_TOP} \
+      --shapes ${4:-1x2048,32x2048} --variants tuned --judge-in-step ${JUDGE_TOP:+--judge-top $JUDGE_TOP} \
       --budget-s $(($2 - 10)) --energy-window-s 0 --table "$1" --out "$OUT/j"
   echo "judge rc=$?"
   cp "$OUT/j/results.json" "$3"; rm -rf "$OUT/j" "$1.lock"
@@ -526,11 +526,7 @@ J32)
       --kernels linear_residual,rmsnorm_linear,rmsnorm_gate_up_swiglu --budget-s 130 --evals 40
   echo "batch-32 search rc=$?"
   new=$OUT/dispatch-judged.json; cp $ST/dispatch/*.json "$new"
-  timeout 150 python3 -m daemon.cli --read-only --state-dir $ST bench --model builtin --layers 8 \
-      --shapes 32x2048 --variants tuned --judge-in-step --judge-top 8 --budget-s 140 --energy-window-s 0 \
-      --table "$new" --out "$OUT/j"
-  echo "judge rc=$?"
-  cp "$OUT/j/results.json" "$OUT/j32-judge.json"; rm -rf "$OUT/j" "$new.lock"
+  JUDGE_TOP=8 judge_step "$new" 150 "$OUT/j32-judge.json" 32x2048
   rows=$(mktemp -d)
   alternate_rows "$table" "$new" given judged j "$rows"
   merge_rows "$rows" ;;
