@@ -20,6 +20,12 @@
     torch.ops.hwtune.rms_norm_linear(x, norm_weight, weight, eps)
                                                               x [..., K], norm_weight [K], weight [N, K]
                                                               -> rms_norm(x) @ weight.T [..., N]
+    torch.ops.hwtune.rms_norm_qkv_rope(x, norm_weight, weight, eps, cos, sin, positions, k_cache,
+                                      v_cache) -> q_out
+                                                              rms_norm_linear into q|k|v, then
+                                                              rope_kv_write: x [B, K], weight
+                                                              [(Hq + 2 Hkv) D, K] -> [B, Hq, D]
+                                                              (caches written in place)
     torch.ops.hwtune.rms_norm_gate_up_swiglu(x, norm_weight, weight, eps)
                                                               weight [2I, K]: gate rows, then up rows
                                                               -> silu(n @ gate.T) * (n @ up.T) [..., I]
@@ -270,6 +276,46 @@ def _(x, norm_weight, weight, eps, table=0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+# --- rms_norm_qkv_rope ----------------------------------------------------------------------
+def _qkv_rope_args(x, norm_weight, weight, cos, sin, positions, k_cache, v_cache):
+    _norm_linear_args("rms_norm_qkv_rope", x, norm_weight, weight)
+    _same_dtype("rms_norm_qkv_rope", x, cos, sin, k_cache, v_cache)
+    b = x.shape[0]
+    if x.dim() != 2 or k_cache.dim() != 4 or tuple(v_cache.shape) != tuple(k_cache.shape) \
+            or k_cache.shape[0] != b or positions.shape != (b,):
+        raise ValueError(f"hwtune::rms_norm_qkv_rope: x{tuple(x.shape)} k_cache{tuple(k_cache.shape)} "
+                         f"v_cache{tuple(v_cache.shape)} positions{tuple(positions.shape)}: expected x [B, K], "
+                         "caches [B, Hkv, S, D], positions [B]")
+    hkv, d = k_cache.shape[1], k_cache.shape[3]
+    n = weight.shape[0]
+    if d < 2 or d % 2 or n % d or n // d <= 2 * hkv:
+        raise ValueError(f"hwtune::rms_norm_qkv_rope: weight{tuple(weight.shape)} is not [(Hq + 2 Hkv) D, K] "
+                         f"for k_cache{tuple(k_cache.shape)} (D even)")
+    # written in place: a copy would take the writes away from the caller's cache
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("hwtune::rms_norm_qkv_rope: k_cache and v_cache must be contiguous")
+    return n // d - 2 * hkv, d
+
+
+@torch.library.custom_op("hwtune::rms_norm_qkv_rope", mutates_args=("k_cache", "v_cache"))
+def rms_norm_qkv_rope(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, eps: float,
+                      cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, table: int = 0) -> torch.Tensor:
+    _, d = _qkv_rope_args(x, norm_weight, weight, cos, sin, positions, k_cache, v_cache)
+    b = x.shape[0]
+    cos = cos.reshape(-1, d).expand(b, d).contiguous()
+    sin = sin.reshape(-1, d).expand(b, d).contiguous()
+    (q_out,) = run("rmsnorm_qkv_rope", table, x.contiguous(), norm_weight.contiguous(), weight.contiguous(),
+                   float(eps), cos, sin, positions.to(torch.int64).contiguous(), k_cache, v_cache)
+    return q_out
+
+
+@rms_norm_qkv_rope.register_fake
+def _(x, norm_weight, weight, eps, cos, sin, positions, k_cache, v_cache, table=0):
+    hq, d = _qkv_rope_args(x, norm_weight, weight, cos, sin, positions, k_cache, v_cache)
+    return x.new_empty((x.shape[0], hq, d))
+
+
 # --- rms_norm_gate_up_swiglu ----------------------------------------------------------------
 def _gate_up_args(x, norm_weight, weight):
     _norm_linear_args("rms_norm_gate_up_swiglu", x, norm_weight, weight)
@@ -322,6 +368,7 @@ OPS = {"rms_norm": "rmsnorm", "add_rms_norm": "add_rmsnorm", "linear": "linear",
        "rope": "rope", "decode_attention": "decode_attention",
        "rope_kv_write": "rope_kv_write", "rope_kv_attention": "rope_kv_attention",
        "rms_norm_linear": "rmsnorm_linear",
+       "rms_norm_qkv_rope": "rmsnorm_qkv_rope",
        "rms_norm_gate_up_swiglu": "rmsnorm_gate_up_swiglu",
        "linear_residual": "linear_residual"}  # op name -> kernel (spec) name
 
@@ -359,5 +406,5 @@ def register_inductor_fallbacks() -> list[str]:
 
 
 __all__ = ["rms_norm", "add_rms_norm", "linear", "swiglu", "rope", "decode_attention", "rope_kv_write",
-           "rope_kv_attention", "rms_norm_linear", "rms_norm_gate_up_swiglu", "linear_residual",
-           "table_handle", "table_of", "run", "register_inductor_fallbacks", "OPS"]
+           "rope_kv_attention", "rms_norm_linear", "rms_norm_qkv_rope", "rms_norm_gate_up_swiglu",
+           "linear_residual", "table_handle", "table_of", "run", "register_inductor_fallbacks", "OPS"]

@@ -67,7 +67,7 @@ def test_tiny_model_bench_on_cpu_measures_prefill_and_decode_with_a_fingerprint(
     # no fused entry: both tuned variants run the unfused step, and say why per fusion point
     assert decode["tuned-unfused"]["kernels"] == kernels
     assert all(w.startswith("unfused") for w in decode["tuned"]["fusions"].values()), decode["tuned"]["fusions"]
-    assert set(decode["tuned"]["fusions"]) == {"qkv", "attention", "o", "gate_up", "down", "head"}
+    assert set(decode["tuned"]["fusions"]) == {"qkv_rope", "qkv", "attention", "o", "gate_up", "down", "head"}
     assert decode["eager"]["kernels_per_layer"]["total"] == decode["tuned"]["kernels_per_layer"]["total"] == 16
     # with no table in the state dir, bench searched the model's own decode shapes first
     searched = {(d["kernel"], json.dumps(d["shape"], sort_keys=True)): d for d in doc["kernel_table"]["search"]}
@@ -76,7 +76,8 @@ def test_tiny_model_bench_on_cpu_measures_prefill_and_decode_with_a_fingerprint(
     # the fused decode kernels' shapes are looked at first: searched once their template exists
     from kernelsearch.kernels import TEMPLATES
     fused_shapes = {"rmsnorm_linear": {"K": 64, "M": 2, "N": 128}, "linear_residual": {"K": 128, "M": 2, "N": 64},
-                    "rmsnorm_gate_up_swiglu": {"I": 128, "K": 64, "M": 2}}
+                    "rmsnorm_gate_up_swiglu": {"I": 128, "K": 64, "M": 2},
+                    "rmsnorm_qkv_rope": {"B": 2, "D": 16, "Hkv": 2, "Hq": 4, "K": 64, "S": 64}}
     for kernel, shape in fused_shapes.items():
         d = searched[(kernel, json.dumps(shape, sort_keys=True))]
         assert ("kept" in d) if kernel in TEMPLATES else d["result"] == "not searched: no built-in template here (stock)"

@@ -23,7 +23,8 @@ CFG, B, CTX = PRESETS["tiny"], 2, 16
 S = cache_len(CTX)
 H, D = CFG.hidden, CFG.head_dim
 # The fused calls of the tiny model at batch 2, by fusion point (shapes as the dispatch table keys them)
-SHAPES = {"qkv": ("rmsnorm_linear", {"M": B, "K": H, "N": CFG.qkv_heads * D}),
+SHAPES = {"qkv_rope": ("rmsnorm_qkv_rope", {"B": B, "K": H, "Hq": CFG.heads, "Hkv": CFG.kv_heads, "D": D, "S": S}),
+          "qkv": ("rmsnorm_linear", {"M": B, "K": H, "N": CFG.qkv_heads * D}),
           "attention": ("rope_kv_attention", {"B": B, "Hq": CFG.heads, "Hkv": CFG.kv_heads, "D": D, "S": S}),
           "o": ("linear_residual", {"M": B, "K": CFG.heads * D, "N": H}),
           "gate_up": ("rmsnorm_gate_up_swiglu", {"M": B, "K": H, "I": CFG.ffn}),
@@ -80,7 +81,7 @@ def _recording(name):
 
 for _name in ("rmsnorm", "add_rmsnorm", "linear", "silu_mul", "residual_add", "rope_kv_write",
               "decode_attention", "rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual",
-              "rope_kv_attention"):
+              "rope_kv_attention", "rmsnorm_qkv_rope"):
     setattr(RecordingOps, _name, _recording(_name))
 
 
@@ -131,8 +132,12 @@ def test_tuned_unfused_ignores_the_fused_entries_and_runs_the_previous_step():
                for w in describe_fusions(ops, CFG, B, "float32", S).values())
 
 
+# every fusion point but qkv_rope (which, routed, takes the qkv and attention points' place)
+POINTS = [p for p in SHAPES if p != "qkv_rope"]
+
+
 def test_every_fused_kernel_routed_gives_stocks_logits_with_the_fused_sequence():
-    table = ShapeTable(list(SHAPES))
+    table = ShapeTable(POINTS)
     ops = RecordingOps(table, "test")
     model, (got, kv), (want, kv_want) = _step(ops)
     assert ops.sequence == FUSED_LAYER * CFG.layers + ["rmsnorm_linear"], ops.sequence
@@ -150,7 +155,7 @@ def test_every_fused_kernel_routed_gives_stocks_logits_with_the_fused_sequence()
     x, w, residual = calls[2][1]
     assert calls[2][0] == "linear_residual" and w is model.layers[0]["w_o"] and residual.shape == (B, H)
     assert calls[-1][0] == "rmsnorm_linear" and calls[-1][1][2] is model.lm_head
-    assert fused_points(ops, CFG, B, "float32", S) == frozenset(SHAPES)
+    assert fused_points(ops, CFG, B, "float32", S) == frozenset(POINTS)
     used = describe_kernels(ops, CFG, B, S, "float32")
     assert [label for label in used] == ["rmsnorm_linear qkv", "rope + kv write + attention",
                                          "linear_residual o", "rmsnorm_gate_up_swiglu", "linear_residual down",
@@ -160,7 +165,7 @@ def test_every_fused_kernel_routed_gives_stocks_logits_with_the_fused_sequence()
     # five fused kernels (a test entry launches once), against stock's 16
     assert counts["total"] == 5 and kernels_per_layer(StockOps(), CFG, B, S, "float32")["total"] == 16
     # the no-head step ends with the whole residual stream (nothing pending to add)
-    ops = RecordingOps(ShapeTable(list(SHAPES)), "test")
+    ops = RecordingOps(ShapeTable(POINTS), "test")
     _, (got, _), (want, _) = _step(ops, head=False)
     assert ops.sequence == FUSED_LAYER * CFG.layers
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -193,6 +198,13 @@ MIXED = {
                "silu_mul", "linear_residual"] * 2 + ["rmsnorm", "linear"],
     "qkv,down,head": (["rmsnorm_linear", "rope_kv_write", "decode_attention", "linear", "add_rmsnorm", "linear",
                        "silu_mul", "linear_residual"] * 2 + ["rmsnorm_linear"]),
+    "qkv_rope": ["rmsnorm_qkv_rope", "decode_attention", "linear", "add_rmsnorm", "linear", "silu_mul", "linear",
+                 "residual_add", "rmsnorm_qkv_rope", "decode_attention", "linear", "add_rmsnorm", "linear",
+                 "silu_mul", "linear", "add_rmsnorm", "linear"],
+    # qkv_rope is asked first: where it runs, the qkv and attention entries are not used
+    "qkv_rope,qkv,attention,o,gate_up,down": (["rmsnorm_qkv_rope", "decode_attention", "linear_residual",
+                                               "rmsnorm_gate_up_swiglu", "linear_residual"] * 2
+                                              + ["rmsnorm", "linear"]),
     "gate_up,down,head": (["rmsnorm", "linear", "rope_kv_write", "decode_attention", "linear", "residual_add",
                            "rmsnorm_gate_up_swiglu", "linear_residual"] * 2 + ["rmsnorm_linear"]),
 }
@@ -207,11 +219,13 @@ def test_mixed_fusions_give_stocks_logits_and_the_description_matches_what_ran(p
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kv, kv_want, rtol=1e-5, atol=1e-5)
     fused = fused_points(ops, CFG, B, "float32", S)
-    assert fused == frozenset(points)
+    covered = {"qkv", "attention"} if "qkv_rope" in points else set()   # rmsnorm_qkv_rope's place
+    ran = set(points) - covered
+    assert fused == frozenset(ran)
     # layer_calls / step_calls describe exactly the calls that ran: the last layer, then the head
     method = {**ROUTED, None: "residual_add"}
     steps, layer = step_calls(CFG, B, S, fused), [method[k] for _, k, _ in layer_calls(CFG, B, S, fused)]
-    n_head = len(steps) - len(layer) - (0 if "qkv" in fused else 1)
+    n_head = len(steps) - len(layer) - (0 if {"qkv", "qkv_rope"} & fused else 1)
     assert ops.sequence[-n_head - len(layer):-n_head] == layer
     assert ops.sequence[-n_head:] == [method[k] for _, k, _ in steps[-n_head:]]
     counts = kernels_per_layer(ops, CFG, B, S, "float32")
@@ -219,15 +233,20 @@ def test_mixed_fusions_give_stocks_logits_and_the_description_matches_what_ran(p
                     "silu_mul": 2, "residual_add": 1}
     assert counts["total"] == sum(stock_counts.get(m, 1) for m in layer)  # a tuned (test) entry: 1 launch
     whys = describe_fusions(ops, CFG, B, "float32", S)
-    assert {p for p, w in whys.items() if w.startswith("fused")} == set(points)
-    assert all("no table entry" in w for p, w in whys.items() if p not in points), whys
+    assert {p for p, w in whys.items() if w.startswith("fused")} == ran
+    assert all(w.startswith("in rmsnorm_qkv_rope") for p, w in whys.items() if p in covered), whys
+    assert all("no table entry" in w for p, w in whys.items() if p not in ran | covered), whys
 
 
-def test_the_fused_kernels_get_the_layout_their_specs_verify():
+@pytest.mark.parametrize("points", [POINTS, list(SHAPES)], ids=["without_qkv_rope", "with_qkv_rope"])
+def test_the_fused_kernels_get_the_layout_their_specs_verify(points):
     """Contiguous [M, K] streams, [N, K] weights, contiguous residuals: what TunedKernel.accepts
     requires (a strided view would silently fall back to stock at every call)."""
-    table = ShapeTable(list(SHAPES))
+    table = ShapeTable(points)
     _step(TunedOps(table, "test"))
+    # with qkv_rope, rope_kv_attention is never called (rmsnorm_linear still is, at the head)
+    assert {k for k, _ in table.calls} == {SHAPES[p][0] for p in points} - (
+        {"rope_kv_attention"} if "qkv_rope" in points else set())
     for kernel, args in table.calls:
         if kernel in FUSED:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -256,7 +275,8 @@ FUSED_CHILD = textwrap.dedent('''
     shapes = {"rmsnorm_linear": [{"M": B, "K": h, "N": cfg.qkv_heads * d}, {"M": B, "K": h, "N": cfg.vocab}],
               "linear_residual": [{"M": B, "K": cfg.heads * d, "N": h}, {"M": B, "K": cfg.ffn, "N": h}],
               "rmsnorm_gate_up_swiglu": [{"M": B, "K": h, "I": cfg.ffn}],
-              "rope_kv_attention": [{"B": B, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": S}]}
+              "rope_kv_attention": [{"B": B, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": S}],
+              "rmsnorm_qkv_rope": [{"B": B, "K": h, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": S}]}
     kernels = sys.argv[1].split(",")
     entries = []
     for kernel in kernels:
@@ -314,7 +334,8 @@ def _report(real_fused, kernels):
 
 
 POINTS_OF = {"rmsnorm_linear": ["head", "qkv"], "linear_residual": ["down", "o"],
-             "rmsnorm_gate_up_swiglu": ["gate_up"], "rope_kv_attention": ["attention"]}
+             "rmsnorm_gate_up_swiglu": ["gate_up"], "rope_kv_attention": ["attention"],
+             "rmsnorm_qkv_rope": ["qkv_rope"]}
 
 
 @pytest.mark.parametrize("kernel", FUSED)
@@ -323,7 +344,7 @@ def test_the_tuned_route_of_a_real_fused_template_gives_stocks_logits_on_the_int
     assert report["rel"] < 1e-4 and report["kv_err"] < 1e-5, report
     assert report["fused"] == POINTS_OF[kernel]
     calls = {"rmsnorm_linear": CFG.layers + 1, "linear_residual": 2 * CFG.layers, "rmsnorm_gate_up_swiglu": CFG.layers,
-             "rope_kv_attention": CFG.layers}
+             "rope_kv_attention": CFG.layers, "rmsnorm_qkv_rope": CFG.layers}
     assert report["counts"] == {f"{kernel}:tuned": calls[kernel]}, report["counts"]
     assert any(impl.startswith(f"tuned kernelsearch.kernels.{kernel} ") for impl in report["impl"].values())
 
@@ -331,10 +352,11 @@ def test_the_tuned_route_of_a_real_fused_template_gives_stocks_logits_on_the_int
 def test_the_step_with_every_real_fused_template_gives_stocks_logits_on_the_interpreter(real_fused):
     report = _report(real_fused, list(FUSED))
     assert report["rel"] < 1e-4 and report["kv_err"] < 1e-5, report
-    assert report["fused"] == sorted(SHAPES)
-    assert report["counts"] == {"rmsnorm_linear:tuned": CFG.layers + 1, "linear_residual:tuned": 2 * CFG.layers,
-                                "rmsnorm_gate_up_swiglu:tuned": CFG.layers, "rope_kv_attention:tuned": CFG.layers}
-    assert set(report["impl"]) == {"rmsnorm_linear qkv", "rope + kv write + attention", "linear_residual o",
+    # rmsnorm_qkv_rope is asked first: the qkv and attention points' entries are not used
+    assert report["fused"] == sorted(set(SHAPES) - {"qkv", "attention"})
+    assert report["counts"] == {"rmsnorm_linear:tuned": 1, "linear_residual:tuned": 2 * CFG.layers,
+                                "rmsnorm_gate_up_swiglu:tuned": CFG.layers, "rmsnorm_qkv_rope:tuned": CFG.layers}
+    assert set(report["impl"]) == {"rmsnorm + qkv + rope + kv write", "decode_attention", "linear_residual o",
                                    "rmsnorm_gate_up_swiglu", "linear_residual down", "rmsnorm_linear lm_head"}
     per_layer = report["per_layer"]
     assert per_layer["total"] == sum(v for k, v in per_layer.items() if k != "total")

@@ -58,14 +58,19 @@ def test_every_shape_through_the_ops_runs_the_four_fused_kernels_and_gives_the_u
     table = dispatch.DispatchTable.empty()
     report = patch(model, table, stock_through_ops=True)
     assert report.stock == []
-    assert {k: v for k, v in report.patched.items() if k in FUSED} == {part: 2 for part in FUSED}
+    # norm + q|k|v + RoPE + the cache write: not with Qwen2's q|k|v bias or Qwen3's q/k norms
+    qkv_rope = name in ("Llama", "Mistral")
+    assert {k: v for k, v in report.patched.items() if k in FUSED} == \
+        {part: 2 for part in FUSED if qkv_rope or FUSED_PARTS[part] != "rmsnorm_qkv_rope"}
     assert all(isinstance(layer, HwtuneDecoderLayer) for layer in model.model.layers)
     got = run_both(model)
     for step, (w, g) in enumerate(zip(want, got)):
         assert rel_err(w, g) < TOL[dtype], (step, rel_err(w, g))
     forwards = 1 + STEPS   # the prefill and each step, 2 layers each
     c = counts(table)
-    assert c["rmsnorm_linear:stock"] == 2 * forwards
+    # rmsnorm_qkv_rope is asked first at a one-token step; the prefill's norm + q|k|v is rmsnorm_linear
+    assert c["rmsnorm_linear:stock"] == 2 * (1 if qkv_rope else forwards)
+    assert c.get("rmsnorm_qkv_rope:stock", 0) == (2 * STEPS if qkv_rope else 0)
     assert c["linear_residual:stock"] == 2 * 2 * forwards        # o_proj and down_proj
     assert c["rmsnorm_gate_up_swiglu:stock"] == 2 * forwards
     # the layers' own norms, q|k|v, o, gate|up, down and SwiGLU went into the fused kernels: what
@@ -73,10 +78,12 @@ def test_every_shape_through_the_ops_runs_the_four_fused_kernels_and_gives_the_u
     assert "swiglu:stock" not in c
     assert c["linear:stock"] == forwards
     assert c["rmsnorm:stock"] == forwards * (1 + (2 * 2 if name == "Qwen3" else 0))
-    # each decode step's RoPE, cache write and attention: one fused op (Qwen3: q/k norms between
-    # the projection and RoPE, so rope_kv_write's place stays hwtune::rope + decode_attention)
-    assert c["rope_kv_attention:stock" if name != "Qwen3" else "decode_attention:stock"] == 2 * STEPS
-    assert "rope_kv_write:stock" not in c
+    # each decode step's RoPE, cache write and attention: in rmsnorm_qkv_rope, then decode_attention
+    # (Llama, Mistral); one fused op (Qwen2); Qwen3: q/k norms between the projection and RoPE, so
+    # rope_kv_write's place stays hwtune::rope + decode_attention
+    attention = "rope_kv_attention:stock" if name == "Qwen2" else "decode_attention:stock"
+    assert c[attention] == 2 * STEPS
+    assert "rope_kv_write:stock" not in c and (name == "Qwen2" or "rope_kv_attention:stock" not in c)
     assert report.patched.get(FUSED_ATTENTION, 0) == (0 if name == "Qwen3" else 2)
     unpatch(model)
 
@@ -172,8 +179,10 @@ def test_fused_decode_step_compiles_with_fullgraph_and_matches(name):
     torch._dynamo.reset()
     got = run_both(model, step_fn=torch.compile(model.forward, fullgraph=True, backend=backend))
     assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
-    attention = "rope_kv_attention" if name == "Llama" else "decode_attention"
-    for op in ("rms_norm_linear", "linear_residual", "rms_norm_gate_up_swiglu", attention):
+    # the one-token steps: norm + q|k|v + RoPE + the cache write in one op (Qwen3: its q/k norms sit
+    # before RoPE, so norm + q|k|v, then hwtune::rope)
+    qkv = "rms_norm_qkv_rope" if name == "Llama" else "rms_norm_linear"
+    for op in (qkv, "linear_residual", "rms_norm_gate_up_swiglu", "decode_attention"):
         assert f"hwtune.{op}" in seen, op
     assert "hwtune.swiglu" not in seen   # SwiGLU is in the fused kernel's epilogue
     torch._dynamo.reset()
@@ -220,10 +229,11 @@ def test_patch_registers_every_hwtune_op_with_inductor_before_a_compile_reaches_
     assert not [t for t in implicit if t.startswith("hwtune")], implicit
 
 
-def test_cos_sin_and_the_position_reach_the_fused_op_as_batch_rows_made_outside_it():
+@pytest.mark.parametrize("name,op,at", [("Qwen2", "rope_kv_attention", 1), ("Llama", "rms_norm_qkv_rope", 4)])
+def test_cos_sin_and_the_position_reach_the_fused_op_as_batch_rows_made_outside_it(name, op, at):
     """Broadcast cos/sin (position_ids of batch 1) and the cache position become [B, ...] rows
     in the model's code, where torch.compile makes cos/sin once a step, not inside every layer's
-    op; rows already there pass as they are."""
+    op; rows already there pass as they are. (Qwen2's q|k|v bias keeps it on rope_kv_attention.)"""
     from kernelsearch.integrations.transformers import _rows_of
 
     one = torch.randn(1, 8)
@@ -234,23 +244,22 @@ def test_cos_sin_and_the_position_reach_the_fused_op_as_batch_rows_made_outside_
     assert _rows_of(three, 3) is three
     pos = torch.tensor([5])
     assert _rows_of(pos, 4).tolist() == [5, 5, 5, 5]
-    model = tiny_model("Llama")
+    model = tiny_model(name)
     patch(model, dispatch.DispatchTable.empty(), stock_through_ops=True)
     seen = []
-    real = torch.ops.hwtune.rope_kv_attention
+    real = getattr(torch.ops.hwtune, op)
 
     class Spy:
-        def __call__(self, qkv, cos, sin, positions, *rest):
+        def __call__(self, *args):
+            cos, positions = args[at], args[at + 2]
             seen.append((tuple(cos.shape), cos.is_contiguous(), tuple(positions.shape), positions.is_contiguous()))
-            return real(qkv, cos, sin, positions, *rest)
+            return real(*args)
 
-    import kernelsearch.integrations.transformers as integration
-    original = integration.torch.ops.hwtune.rope_kv_attention
     try:
-        torch.ops.hwtune.rope_kv_attention = Spy()
+        setattr(torch.ops.hwtune, op, Spy())
         run_both(model, steps=1)
     finally:
-        torch.ops.hwtune.rope_kv_attention = original
+        setattr(torch.ops.hwtune, op, real)
     assert seen and all(s == ((B, s[0][1]), True, (B,), True) for s in seen), seen
 
 
@@ -266,7 +275,8 @@ def test_generate_with_a_static_cache_through_the_fused_layers_gives_the_unpatch
     unpatch(model)
     assert torch.equal(want.sequences, got.sequences)
     assert max(rel_err(w, g) for w, g in zip(want.logits, got.logits)) < 1e-5
-    assert table.counts[("rmsnorm_linear", "stock")] == 4 * 2
+    # the prefill's norm + q|k|v through rmsnorm_linear, the 3 one-token steps' through rmsnorm_qkv_rope
+    assert table.counts[("rmsnorm_linear", "stock")] == 2 and table.counts[("rmsnorm_qkv_rope", "stock")] == 3 * 2
 
 
 def test_a_layer_left_stock_is_not_fused_and_says_why_in_one_line():
@@ -303,8 +313,9 @@ def test_decode_shapes_list_the_fused_kernels_beside_the_unfused_ones():
     assert fused["rmsnorm_gate_up_swiglu"] == [{"M": b, "K": 64, "I": 96} for b in (1, 3)]
     assert fused["linear_residual"] == [{"M": b, "K": k, "N": 64} for b in (1, 3) for k in (64, 96)]
     assert fused["rope_kv_attention"] == [{"B": b, "Hq": 4, "Hkv": 2, "D": 16, "S": 20} for b in (1, 3)]
+    assert fused["rmsnorm_qkv_rope"] == [{"B": b, "K": 64, "Hq": 4, "Hkv": 2, "D": 16, "S": 20} for b in (1, 3)]
     assert set(fused) - set(unfused) == {"rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual",
-                                         "rope_kv_attention"}
+                                         "rope_kv_attention", "rmsnorm_qkv_rope"}
 
 
 # --- harness-verified Triton kernels (children under TRITON_INTERPRET) ------------------------
@@ -361,6 +372,7 @@ QKV = {"M": B, "K": 64, "N": 128}
 O = {"M": B, "K": 64, "N": 64}
 DOWN = {"M": B, "K": 128, "N": 64}
 GATE_UP = {"M": B, "K": 64, "I": 128}
+QKV_ROPE = {"B": B, "K": 64, "Hq": 4, "Hkv": 2, "D": 16, "S": 16}   # S: the StaticCache's MAX_CACHE
 
 
 def test_tuned_unfused_kernels_serve_the_parts_whose_fused_kernel_is_not_routed():
@@ -384,6 +396,7 @@ def test_tuned_unfused_kernels_serve_the_parts_whose_fused_kernel_is_not_routed(
     ("rmsnorm_linear", [QKV], "fused norm+qkv"),
     ("linear_residual", [O, DOWN], "fused down+residual"),
     ("rmsnorm_gate_up_swiglu", [GATE_UP], "fused norm+gate_up+swiglu"),
+    ("rmsnorm_qkv_rope", [QKV_ROPE], "fused norm+qkv+rope+kv write"),
 ])
 def test_a_fused_kernels_tuned_template_runs_its_part_and_gives_the_unpatched_logits(kernel, shapes, part):
     if kernel not in TEMPLATES:
@@ -397,14 +410,16 @@ def test_a_fused_kernels_tuned_template_runs_its_part_and_gives_the_unpatched_lo
 
 
 def test_every_fused_kernels_tuned_template_together_gives_the_unpatched_logits():
-    missing = [k for k in ("rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual") if k not in TEMPLATES]
+    missing = [k for k in ("rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual", "rmsnorm_qkv_rope")
+               if k not in TEMPLATES]
     if missing:
         pytest.skip(f"no template for {missing[0]} yet")
     report = child(CHILD, json.dumps([("rmsnorm_linear", QKV), ("linear_residual", O), ("linear_residual", DOWN),
-                                      ("rmsnorm_gate_up_swiglu", GATE_UP)]), "[]", "1")
+                                      ("rmsnorm_gate_up_swiglu", GATE_UP), ("rmsnorm_qkv_rope", QKV_ROPE)]), "[]", "1")
     assert report["stock"] == [] and {k: v for k, v in report["patched"].items() if k in FUSED} == \
         {p: 2 for p in FUSED}
-    want = {"rmsnorm_linear:tuned": 4, "linear_residual:tuned": 8, "rmsnorm_gate_up_swiglu:tuned": 4}
+    # at the decode steps rmsnorm_qkv_rope is asked first: the rmsnorm_linear entry is not used
+    want = {"rmsnorm_qkv_rope:tuned": 4, "linear_residual:tuned": 8, "rmsnorm_gate_up_swiglu:tuned": 4}
     assert report["counts"] == want and report["compiled_counts"] == want
     assert max(report["err"]) < 1e-4 and max(report["err_compiled"]) < 1e-4
 

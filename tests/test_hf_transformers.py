@@ -146,9 +146,12 @@ def test_generate_with_a_static_cache_gives_the_unpatched_tokens_and_logits(name
     assert torch.equal(want.sequences, got.sequences)
     assert max(rel_err(w, g) for w, g in zip(want.logits, got.logits)) < 1e-5
     # 5 tokens: 1 prefill + 4 steps of 2 layers; RoPE, cache write and attention one fused op
-    # (Qwen3: q/k norms between projection and RoPE, so hwtune::rope + decode_attention)
-    kernel = "decode_attention" if name == "Qwen3" else "rope_kv_attention"
+    # (Qwen2); RoPE and the cache write in the fused norm + q|k|v op, then decode_attention (Llama,
+    # Mistral); Qwen3: q/k norms between projection and RoPE, so hwtune::rope + decode_attention
+    kernel = "rope_kv_attention" if name == "Qwen2" else "decode_attention"
     assert table.counts[(kernel, "stock")] == 4 * 2
+    if name in ("Llama", "Mistral"):
+        assert table.counts[("rmsnorm_qkv_rope", "stock")] == 4 * 2
 
 
 def test_eager_attention_implementation_float_mask_takes_the_decode_path_too():
@@ -160,7 +163,8 @@ def test_eager_attention_implementation_float_mask_takes_the_decode_path_too():
     patch(model, table, stock_through_ops=True)
     got = prefill_and_decode(model, ids)
     assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
-    assert table.counts[("rope_kv_attention", "stock")] == 3 * 2   # the float mask read as lengths
+    assert table.counts[("decode_attention", "stock")] == 3 * 2   # the float mask read as lengths
+    assert table.counts[("rmsnorm_qkv_rope", "stock")] == 3 * 2
 
 
 @pytest.mark.parametrize("name", ["Llama", "Qwen3"])

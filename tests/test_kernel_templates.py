@@ -21,7 +21,7 @@ KERNELS = ["rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention", "l
            "rope_kv_write"]
 # The fused decode templates are judged by the harness in their own files
 # (tests/test_kernel_<name>.py): every CONFIGS kind over the spec's CPU sweep, split-K against one split.
-FUSED = ["rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual", "rope_kv_attention"]
+FUSED = ["rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual", "rope_kv_attention", "rmsnorm_qkv_rope"]
 INOUT = {"rope_kv_write": ("k_cache", "v_cache")}   # written in place: judged on what they must hold
 FP32_TOL = 1e-5
 BF16_TOL = 2e-2  # the interpreter rounds fp32 -> bf16 by truncation

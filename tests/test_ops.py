@@ -41,6 +41,10 @@ def _cases():
         "rms_norm_linear": (r(2, 3, 64), r(64), r(40, 64), 1e-5),
         "rms_norm_gate_up_swiglu": (r(2, 3, 64), r(64), r(48, 64), 1e-6),
         "linear_residual": (r(2, 3, 64), r(40, 64), r(2, 3, 40)),
+        # x [B, K], norm_weight [K], weight [(Hq + 2 Hkv) D, K], eps, then rope_kv_write's cos, sin,
+        # positions and caches (Hq 4, Hkv 2, D 16)
+        "rms_norm_qkv_rope": (r(2, 64), r(64), r(128, 64), 1e-5, r(2, 16), r(2, 16), torch.tensor([7, 2]),
+                              r(2, 2, 10, 16), r(2, 2, 10, 16)),
     }
 
 
@@ -73,6 +77,10 @@ def _stock(name, args):
     if name == "linear_residual":
         x, w, res = args
         return res + F.linear(x, w)
+    if name == "rms_norm_qkv_rope":   # the norm, the q|k|v projection, then rope_kv_write's stock
+        x, nw, w, eps, cos, sin, pos, kc, vc = args
+        qkv = F.linear(F.rms_norm(x, (x.shape[-1],), nw, eps), w).view(x.shape[0], -1, kc.shape[3])
+        return _stock("rope_kv_write", (qkv, cos, sin, pos, kc, vc))
     if name == "rope_kv_attention":   # rope_kv_write's stock, then SDPA over slots 0..positions[b]
         qkv, cos, sin, pos, kc, vc, scale = args
         q = _stock("rope_kv_write", args[:6])
@@ -140,7 +148,8 @@ def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
 
     cases = _cases()
 
-    def block(x, w, W, gate_up_w, q, k, cos, sin, kc, vc, lens, qkv, cs, sn, pos, kc2, vc2, kc3, vc3):
+    def block(x, w, W, gate_up_w, q, k, cos, sin, kc, vc, lens, qkv, cs, sn, pos, qkv_w, kc2, vc2, kc3, vc3,
+              kc4, vc4):
         h = torch.ops.hwtune.rms_norm(x, w, 1e-6)
         h, res = torch.ops.hwtune.add_rms_norm(h, x, w, 1e-6)
         y = torch.ops.hwtune.swiglu(torch.ops.hwtune.linear(h, gate_up_w))
@@ -153,7 +162,9 @@ def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
         z = torch.ops.hwtune.rms_norm_linear(res, w, gate_up_w, 1e-6)
         z = torch.ops.hwtune.linear_residual(z, gate_up_w, res)
         z = torch.ops.hwtune.rms_norm_gate_up_swiglu(z, w, gate_up_w, 1e-6)
-        return y + res[..., :48].sum() + z.sum(), a, q3, a3
+        # norm + q|k|v + RoPE + the cache write, on one token per sequence
+        q4 = torch.ops.hwtune.rms_norm_qkv_rope(res[:, 0], w, qkv_w, 1e-6, cs, sn, pos, kc4, vc4)
+        return y + res[..., :48].sum() + z.sum(), a, q3, a3, q4
 
     x, w = cases["rms_norm"][:2]
     args = (x, w, torch.randn(48, 32), torch.randn(64, 64), *cases["rope"],
@@ -163,8 +174,9 @@ def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
     args[5] = torch.randn(2, 1, 2, 16)
     args[6] = torch.randn(2, 1, 16)
     args[7] = torch.randn(2, 1, 16)
-    args += list(cases["rope_kv_write"]) + [cases["rope_kv_write"][4].clone(), cases["rope_kv_write"][5].clone()]
-    kv = lambda a: a[:-4] + [t.clone() for t in a[-4:]]   # each run on its own caches
+    caches = cases["rope_kv_write"][4:]
+    args += list(cases["rope_kv_write"][:4]) + [torch.randn(128, 64)] + [t.clone() for t in caches * 3]
+    kv = lambda a: a[:-6] + [t.clone() for t in a[-6:]]   # each run on its own caches
     compiled = torch.compile(block, fullgraph=True, backend=backend)
     eager_args, compiled_args = kv(args), kv(args)
     for got, want in zip(compiled(*compiled_args), block(*eager_args)):
@@ -176,9 +188,27 @@ def test_ops_trace_under_torch_compile_fullgraph_as_one_node_each():
     for got, want in zip(aot(*aot_args), block(*kv(args))):
         assert torch.equal(got, want)
     # the compiled graphs wrote the caller's caches as eager did (the mutation is not lost)
-    for a, b in zip(aot_args[-4:] + compiled_args[-4:], eager_args[-4:] * 2):
+    for a, b in zip(aot_args[-6:] + compiled_args[-6:], eager_args[-6:] * 2):
         assert torch.equal(a, b)
-    assert not torch.equal(aot_args[-2], args[-2]) and not torch.equal(aot_args[-4], args[-4])
+    assert all(not torch.equal(aot_args[i], args[i]) for i in range(-6, 0))
+
+
+def test_rms_norm_qkv_rope_fake_gives_q_and_refuses_a_weight_that_is_not_whole_heads():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _cases()["rms_norm_qkv_rope"]
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        assert torch.ops.hwtune.rms_norm_qkv_rope(*fake).shape == (2, 4, 16)
+    for bad_weight in (torch.randn(120, 64), torch.randn(64, 64)):   # not heads of 16; no q head left
+        bad = list(args)
+        bad[2] = bad_weight
+        with pytest.raises(ValueError, match="hwtune::rms_norm_qkv_rope"):
+            torch.ops.hwtune.rms_norm_qkv_rope(*bad)
+    bad = list(args)
+    bad[7] = torch.randn(2, 10, 2, 16).transpose(1, 2)   # a strided cache: the writes would be lost
+    with pytest.raises(ValueError, match="contiguous"):
+        torch.ops.hwtune.rms_norm_qkv_rope(*bad)
 
 
 @pytest.mark.parametrize("name", ["rms_norm_linear", "rms_norm_gate_up_swiglu", "linear_residual"])

@@ -13,7 +13,8 @@ NAMES = sorted(SPECS)
 def test_registry_holds_the_builtin_kernels():
     assert set(SPECS) == {"rmsnorm", "add_rmsnorm", "softmax", "matmul", "decode_attention",
                           "linear", "swiglu", "rope", "rope_kv_write", "rmsnorm_linear",
-                          "rmsnorm_gate_up_swiglu", "linear_residual", "rope_kv_attention"}
+                          "rmsnorm_gate_up_swiglu", "linear_residual", "rope_kv_attention",
+                          "rmsnorm_qkv_rope"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -22,7 +23,8 @@ def test_cpu_sweep_has_odd_sizes_one_row_and_a_bf16_case(name):
     assert any(s.get("dtype") == "bfloat16" for s in shapes)
     dims = [v for s in shapes for k, v in s.items() if k != "dtype"]
     assert any(v % 2 == 1 and v > 1 for v in dims)
-    lead = "B" if name in ("decode_attention", "rope", "rope_kv_write", "rope_kv_attention") else "M"
+    lead = "B" if name in ("decode_attention", "rope", "rope_kv_write", "rope_kv_attention",
+                           "rmsnorm_qkv_rope") else "M"
     assert min(s[lead] for s in shapes) == 1 and max(s[lead] for s in shapes) >= 3
 
 

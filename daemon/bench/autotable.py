@@ -22,8 +22,8 @@ from pathlib import Path
 # Most of a decode step's time first: a budget that runs out leaves the small ops on stock.
 # The fused decode kernels lead (each replaces a GEMV and the ops around it; by weight bytes of
 # Llama-3-8B's step: gate|up, then norm + qkv / lm_head, then o / down + residual).
-SEARCH_ORDER = ("rmsnorm_gate_up_swiglu", "rmsnorm_linear", "linear_residual", "linear", "matmul",
-                "rope_kv_attention", "decode_attention", "add_rmsnorm", "rope_kv_write", "rope", "swiglu",
+SEARCH_ORDER = ("rmsnorm_gate_up_swiglu", "rmsnorm_linear", "rmsnorm_qkv_rope", "linear_residual", "linear",
+                "matmul", "rope_kv_attention", "decode_attention", "add_rmsnorm", "rope_kv_write", "rope", "swiglu",
                 "rmsnorm")
 DEFAULT_EVALS = 2
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

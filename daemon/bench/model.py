@@ -15,10 +15,12 @@ Layout choices that make the decode step lean and graph-capturable:
   where `ops.fuses(kernel, *args)` says a fused decode kernel runs for the call (TunedOps with a
   routed table entry), the step calls it instead of the unfused ops: rmsnorm_linear (norm +
   QKV, final norm + LM head), linear_residual (o and down projections with the residual add),
-  rmsnorm_gate_up_swiglu (norm + gate|up + SwiGLU). The residual stream is kept as `stream`
-  plus a `pending` sublayer output not yet added to it: with no fused kernel the step is the
-  unfused sequence (add_rmsnorm adds the pending output), a linear_residual leaves nothing
-  pending, and a fused norm that finds a pending output adds it first (`ops.residual_add`).
+  rmsnorm_gate_up_swiglu (norm + gate|up + SwiGLU), rmsnorm_qkv_rope (norm + q|k|v + RoPE + the
+  cache write, then decode_attention; asked first), rope_kv_attention (RoPE + the cache write +
+  attention). The residual stream is kept as `stream` plus a `pending` sublayer output not yet
+  added to it: with no fused kernel the step is the unfused sequence (add_rmsnorm adds the
+  pending output), a linear_residual leaves nothing pending, and a fused norm that finds a
+  pending output adds it first (`ops.residual_add`).
 """
 from __future__ import annotations
 
@@ -246,16 +248,24 @@ class Model:
         stream = self.embedding.index_select(0, tokens)
         pending = None  # a sublayer's output not yet added to `stream`
         for i, w in enumerate(self.layers):
-            qkv, stream, pending = self._norm_linear(ops, stream, pending, w["attn_norm"], w["w_qkv"])
-            qkv = qkv.view(b, c.qkv_heads, d)
             k_cache, v_cache = kv[i, 0], kv[i, 1]
-            if "cos" in rope and ops.fuses("rope_kv_attention", qkv, rope["cos"], rope["sin"], positions,
-                                           k_cache, v_cache, self.scale):
-                attn = ops.rope_kv_attention(qkv, rope["cos"], rope["sin"], positions, k_cache, v_cache,
-                                             self.scale)
-            else:
-                q = ops.rope_kv_write(qkv, rope, positions, k_cache, v_cache, hq)
+            if "cos" in rope and ops.fuses("rmsnorm_qkv_rope", stream, w["attn_norm"], w["w_qkv"], c.eps,
+                                           rope["cos"], rope["sin"], positions, k_cache, v_cache):
+                # norm, q|k|v, RoPE and the cache write in one kernel, then the attention
+                stream, pending = self._settle(ops, stream, pending), None
+                q = ops.rmsnorm_qkv_rope(stream, w["attn_norm"], w["w_qkv"], c.eps, rope, positions,
+                                         k_cache, v_cache, hq)
                 attn = ops.decode_attention(q, k_cache, v_cache, lens["seq_lens"], self.scale, mask)
+            else:
+                qkv, stream, pending = self._norm_linear(ops, stream, pending, w["attn_norm"], w["w_qkv"])
+                qkv = qkv.view(b, c.qkv_heads, d)
+                if "cos" in rope and ops.fuses("rope_kv_attention", qkv, rope["cos"], rope["sin"], positions,
+                                               k_cache, v_cache, self.scale):
+                    attn = ops.rope_kv_attention(qkv, rope["cos"], rope["sin"], positions, k_cache, v_cache,
+                                                 self.scale)
+                else:
+                    q = ops.rope_kv_write(qkv, rope, positions, k_cache, v_cache, hq)
+                    attn = ops.decode_attention(q, k_cache, v_cache, lens["seq_lens"], self.scale, mask)
             stream, pending = self._linear_residual(ops, attn.reshape(b, hq * d), w["w_o"], stream)
             if ops.fuses("rmsnorm_gate_up_swiglu", stream, w["mlp_norm"], w["w_gate_up"], c.eps):
                 stream, pending = self._settle(ops, stream, pending), None

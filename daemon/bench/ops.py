@@ -4,8 +4,9 @@
 (`fuses` is always False). `TunedOps` asks the dispatch table
 (`kernelsearch.dispatch.DispatchTable`) for each substitutable call -- rmsnorm, add_rmsnorm,
 linear, decode_attention, swiglu (the model's silu_mul), rope_kv_write and, unless built with
-fused=False, the fused decode kernels rmsnorm_linear, rmsnorm_gate_up_swiglu and
-linear_residual (`fuses`: the model calls a fused kernel only where the table routes it) --
+fused=False, the fused decode kernels rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_gate_up_swiglu,
+linear_residual and rope_kv_attention (`fuses`: the model calls a fused kernel only where the
+table routes it) --
 and runs the table's verified kernel where the table routes that (kernel, shape, dtype) to
 one, and the stock op everywhere else. It has no picker of its own: kernelsearch is the only
 judge of which kernel is kept (one keep rule, one timer); `used` says per op and shape what
@@ -25,9 +26,10 @@ ROUTED = {"rmsnorm": "rmsnorm", "add_rmsnorm": "add_rmsnorm", "linear": "linear"
           "decode_attention": "decode_attention", "swiglu": "silu_mul",
           "rope_kv_write": "rope_kv_write", "rmsnorm_linear": "rmsnorm_linear",
           "rmsnorm_gate_up_swiglu": "rmsnorm_gate_up_swiglu", "linear_residual": "linear_residual",
-          "rope_kv_attention": "rope_kv_attention"}
+          "rope_kv_attention": "rope_kv_attention", "rmsnorm_qkv_rope": "rmsnorm_qkv_rope"}
 # The fused decode kernels: TunedOps(fused=False) never routes (nor asks about) these.
-FUSED = ("rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual", "rope_kv_attention")
+FUSED = ("rmsnorm_linear", "rmsnorm_gate_up_swiglu", "linear_residual", "rope_kv_attention",
+         "rmsnorm_qkv_rope")
 
 
 def _mask(mask):
@@ -79,6 +81,12 @@ class StockOps:
 
     def linear_residual(self, x, weight, residual):
         return residual + F.linear(x, weight)
+
+    def rmsnorm_qkv_rope(self, x, norm_weight, weight, eps, rope, positions, k_cache, v_cache, heads):
+        """norm, q|k|v, RoPE and the cache write: x [B, K] -> q [B, Hq, D] rotated."""
+        qkv = StockOps.rmsnorm_linear(self, x, norm_weight, weight, eps)
+        return self.rope_kv_write(qkv.view(x.shape[0], -1, k_cache.shape[3]), rope, positions, k_cache,
+                                  v_cache, heads)
 
     def rope_context(self, model, positions, **more):
         """Per-step RoPE state shared by every layer (StepTensors): rotation matrices
@@ -136,13 +144,17 @@ def cache_len(ctx: int) -> int:
 
 # ---- the calls a decode step makes, by kernel and shape (the dispatch table's keys) ----------
 # Where a fused decode kernel can replace unfused calls (Model.decode_step, in step order).
-FUSION_POINTS = ("qkv", "attention", "o", "gate_up", "down", "head")
+# "qkv_rope" (norm + q|k|v + RoPE + the cache write, then decode_attention) takes the place of
+# both "qkv" and "attention" where it runs: the step asks for it first.
+FUSION_POINTS = ("qkv_rope", "qkv", "attention", "o", "gate_up", "down", "head")
 
 
 def fused_calls(cfg, batch: int, s_max: int) -> dict[str, tuple[str, str, dict]]:
     """fusion point -> (label, kernel, shape) of the fused call that runs there when routed."""
     h, d = cfg.hidden, cfg.head_dim
     return {
+        "qkv_rope": ("rmsnorm + qkv + rope + kv write", "rmsnorm_qkv_rope",
+                     {"B": batch, "K": h, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": s_max}),
         "qkv": ("rmsnorm_linear qkv", "rmsnorm_linear", {"M": batch, "K": h, "N": cfg.qkv_heads * d}),
         "attention": ("rope + kv write + attention", "rope_kv_attention",
                       {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": s_max}),
@@ -172,15 +184,18 @@ def layer_calls(cfg, batch: int, s_max: int, fused=frozenset()) -> list[tuple[st
     h, d = cfg.hidden, cfg.head_dim
     fc = fused_calls(cfg, batch, s_max)
     pending = "down" not in fused  # the previous layer's down output, unless summed in its epilogue
-    calls = _norm_and_proj("attention", "qkv", pending, fused, cfg, batch,
-                           [("linear qkv", "linear", {"M": batch, "K": h, "N": cfg.qkv_heads * d})], s_max)
-    if "attention" in fused:
-        calls.append(fc["attention"])
+    attention = ("decode_attention", "decode_attention",
+                 {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "S": s_max, "D": d})
+    if "qkv_rope" in fused:  # norm, q|k|v, RoPE and the cache write in one; then the attention
+        calls = _norm_and_proj("attention", "qkv_rope", pending, fused, cfg, batch, [], s_max) + [attention]
     else:
-        calls += [("rope + kv write", "rope_kv_write",
-                   {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": s_max}),
-                  ("decode_attention", "decode_attention",
-                   {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "S": s_max, "D": d})]
+        calls = _norm_and_proj("attention", "qkv", pending, fused, cfg, batch,
+                               [("linear qkv", "linear", {"M": batch, "K": h, "N": cfg.qkv_heads * d})], s_max)
+        if "attention" in fused:
+            calls.append(fc["attention"])
+        else:
+            calls += [("rope + kv write", "rope_kv_write",
+                       {"B": batch, "Hq": cfg.heads, "Hkv": cfg.kv_heads, "D": d, "S": s_max}), attention]
     calls.append(fc["o"] if "o" in fused else ("linear o", "linear", {"M": batch, "K": cfg.heads * d, "N": h}))
     calls += _norm_and_proj("mlp", "gate_up", "o" not in fused, fused, cfg, batch,
                             [("linear gate_up", "linear", {"M": batch, "K": h, "N": 2 * cfg.ffn}),
@@ -192,7 +207,7 @@ def layer_calls(cfg, batch: int, s_max: int, fused=frozenset()) -> list[tuple[st
 def step_calls(cfg, batch: int, s_max: int, fused=frozenset()) -> list[tuple[str, str | None, dict]]:
     """Every call of a whole decode step (logits out) by label: layer 0's first norm where it
     differs from the other layers', one layer, the final norm and LM head."""
-    first = [] if "qkv" in fused else [("rmsnorm (layer 0)", "rmsnorm", {"M": batch, "N": cfg.hidden})]
+    first = [] if {"qkv", "qkv_rope"} & set(fused) else [("rmsnorm (layer 0)", "rmsnorm", {"M": batch, "N": cfg.hidden})]
     head = _norm_and_proj("final", "head", "down" not in fused, fused, cfg, batch,
                           [("lm_head", "linear", {"M": batch, "K": cfg.hidden, "N": cfg.vocab})], s_max)
     return first + layer_calls(cfg, batch, s_max, fused) + head
@@ -204,7 +219,10 @@ def decode_shapes(cfg, shapes, fused: bool = True) -> dict[str, list[dict]]:
     what the search must look at for this model (autotable)."""
     out: dict[str, list[dict]] = {}
     for batch, ctx in shapes:
-        variants = [frozenset(), frozenset(FUSION_POINTS)] if fused else [frozenset()]
+        # unfused; every fused kernel but qkv_rope (the qkv and attention points it replaces);
+        # all of them
+        every = frozenset(FUSION_POINTS)
+        variants = [frozenset(), every - {"qkv_rope"}, every] if fused else [frozenset()]
         for points in variants:
             for _, kernel, shape in step_calls(cfg, batch, cache_len(ctx), points):
                 if kernel is not None and shape not in out.setdefault(kernel, []):
@@ -340,6 +358,16 @@ class TunedOps(StockOps):
         for these arguments (the step calls rope_kv_write and decode_attention elsewhere)."""
         return self.table.call("rope_kv_attention", qkv, cos, sin, positions, k_cache, v_cache, scale)
 
+    def rmsnorm_qkv_rope(self, x, norm_weight, weight, eps, rope, positions, k_cache, v_cache, heads):
+        """Norm, q|k|v, RoPE and the cache write in one kernel where the table routes it for
+        these arguments (`fuses` with rope's cos and sin), else the stock composition."""
+        if "cos" in rope:
+            args = (x, norm_weight, weight, eps, rope["cos"], rope["sin"], positions, k_cache, v_cache)
+            if self.fuses("rmsnorm_qkv_rope", *args):
+                return self.table.call("rmsnorm_qkv_rope", *args)
+        return StockOps.rmsnorm_qkv_rope(self, x, norm_weight, weight, eps, rope, positions, k_cache,
+                                         v_cache, heads)
+
     def silu_mul(self, gate_up):
         if self._routed("swiglu", (gate_up,)):
             return self.table.call("swiglu", gate_up)
@@ -349,18 +377,21 @@ class TunedOps(StockOps):
         """Stock's rotation matrices (made only if a layer runs stock RoPE), plus cos/sin [B, D]
         in the model's dtype (Hugging Face's rotate_half convention, shared by every layer;
         one gather from the model's table) when the table has a rope_kv_write or (fused)
-        rope_kv_attention entry for this step's shape: the specs' inputs."""
+        rope_kv_attention or rmsnorm_qkv_rope entry for this step's shape: the specs' inputs."""
         c = model.cfg
         shape = {"B": int(positions.shape[0]), "Hq": c.heads, "Hkv": c.kv_heads, "D": c.head_dim,
                  "S": int(model.kv.shape[4])}
+        shapes = {"rope_kv_write": shape, "rope_kv_attention": shape,
+                  "rmsnorm_qkv_rope": {"B": shape["B"], "K": c.hidden, **{k: shape[k] for k in ("Hq", "Hkv", "D", "S")}}}
         dtype = DTYPE_NAMES.get(model.dtype, str(model.dtype))
-        kernels = ("rope_kv_write", "rope_kv_attention") if self.fused else ("rope_kv_write",)
+        kernels = ("rope_kv_write", "rope_kv_attention", "rmsnorm_qkv_rope") if self.fused else ("rope_kv_write",)
         listed = [k for k in kernels if k not in self.stock_only and self.table is not None
-                  and self.table.lookup(k, shape, dtype) is not None]
-        if self.fused and "rope_kv_attention" not in listed:  # the step will not ask: say why here
-            self.used.setdefault(_shape_key("rope_kv_attention", shape, dtype), {
-                "impl": "stock", "reason": "no table entry" if self.table is not None
-                else self.table_note or "no dispatch table"})
+                  and self.table.lookup(k, shapes[k], dtype) is not None]
+        for k in kernels[1:]:
+            if k not in listed:  # the step will not ask: say why here
+                self.used.setdefault(_shape_key(k, shapes[k], dtype), {
+                    "impl": "stock", "reason": "no table entry" if self.table is not None
+                    else self.table_note or "no dispatch table"})
         if not listed:
             return StockOps.rope_context(self, model, positions)
         rope = StockOps.rope_context(self, model, positions, cos_sin=lambda: model.rope_cos_sin(positions),
@@ -399,10 +430,15 @@ def fused_points(ops, cfg, batch: int, dtype: str, s_max: int) -> frozenset:
 def describe_fusions(ops, cfg, batch: int, dtype: str, s_max: int) -> dict[str, str]:
     """Per fusion point: the fused kernel that runs there, or why the unfused calls run."""
     out = {}
-    for point, (_, kernel, shape) in fused_calls(cfg, batch, s_max).items():
+    calls = fused_calls(cfg, batch, s_max)
+    _, qkv_rope, qkv_rope_shape = calls["qkv_rope"]
+    replaced = isinstance(ops, TunedOps) and ops.runs_tuned(qkv_rope, qkv_rope_shape, dtype)
+    for point, (_, kernel, shape) in calls.items():
         record = ops.record(kernel, shape, dtype) if isinstance(ops, TunedOps) else None
         if not isinstance(ops, TunedOps):
             why = "unfused (stock variant)"
+        elif replaced and point in ("qkv", "attention"):
+            why = f"in {qkv_rope} (norm + q|k|v + RoPE + the cache write), then decode_attention"
         elif not ops.fused:
             why = "unfused (fused kernels off in this variant)"
         elif record is None:
@@ -443,14 +479,15 @@ def kernels_per_layer(ops, cfg, batch: int, s_max: int, dtype: str) -> dict:
              "swiglu": 2, None: 1,
              # the fused kernels' stock compositions (listed only where a tuned entry runs)
              "rmsnorm_linear": 2, "rmsnorm_gate_up_swiglu": 4, "linear_residual": 2,
-             "rope_kv_attention": (3 if batch == 1 else 4) + (1 if batch == 1 else 2)}
+             "rope_kv_attention": (3 if batch == 1 else 4) + (1 if batch == 1 else 2),
+             "rmsnorm_qkv_rope": 2 + (3 if batch == 1 else 4)}
     fused = fused_points(ops, cfg, batch, dtype, s_max)
     described = describe_kernels(ops, cfg, batch, s_max, dtype)
     counts = {}
     for label, kernel, _ in layer_calls(cfg, batch, s_max, fused):
         d = described[label]
         counts[label] = d["launches"] if d["impl"].startswith("tuned") else stock[kernel]
-    if "attention" not in fused:
+    if not {"attention", "qkv_rope"} & fused:
         rope_stock = not described["rope + kv write"]["impl"].startswith("tuned")
         if described["decode_attention"]["impl"].startswith("tuned") and rope_stock and batch > 1:
             counts["decode_attention"] += 1  # q made contiguous for the verified layout

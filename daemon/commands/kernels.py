@@ -15,7 +15,7 @@ from daemon.device import DEVICE_HELP, resolve_device
 from hwtune.errors import UsageError
 
 # every spec of kernelsearch.specs.SPECS (tests/test_specs.py holds this list to the registry)
-KERNEL_HELP = "spec name: rmsnorm, add_rmsnorm, softmax, matmul, linear, swiglu, rope, rope_kv_write, decode_attention, rope_kv_attention, rmsnorm_linear, rmsnorm_gate_up_swiglu, linear_residual"
+KERNEL_HELP = "spec name: rmsnorm, add_rmsnorm, softmax, matmul, linear, swiglu, rope, rope_kv_write, decode_attention, rope_kv_attention, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_gate_up_swiglu, linear_residual"
 
 
 def add_check_kernel_arguments(p) -> None:

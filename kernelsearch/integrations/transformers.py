@@ -31,7 +31,9 @@ of the model changes:
   q|k|v -> hwtune::rms_norm_linear (bias added after; Qwen3's q_norm / k_norm still after the
   projection), o_proj + residual add -> hwtune::linear_residual, post_attention_layernorm +
   gate|up + SwiGLU -> hwtune::rms_norm_gate_up_swiglu (not with MLP biases), down_proj + residual
-  add -> hwtune::linear_residual. Each part on its own, per shape: where its fused kernel is not
+  add -> hwtune::linear_residual; and at a one-token step on a StaticCache layer (no q|k|v bias,
+  no q_norm / k_norm) input_layernorm + q|k|v + RoPE + the cache write -> hwtune::rms_norm_qkv_rope,
+  asked first, then the decode attention. Each part on its own, per shape: where its fused kernel is not
   routed, that part runs the unfused path above. `fused=False`: the unfused patch only (issue
   12's, the previous tuned step). PatchReport.patched counts the layers per fused part.
 Routing is per shape and read from the dispatch table once, at patch time: a call whose shape
@@ -372,10 +374,21 @@ class HwtuneAttention(nn.Module):
     def _kv_write_layer(self, cache, qkv, cos, cache_position):
         """The StaticCache layer hwtune::rope_kv_write (or rope_kv_attention) writes into at this
         one-token step, or None (today's path: RoPE, then cache.update): only where the table
-        has a tuned entry of either for the shape, an initialised full-attention StaticLayer of
-        transformers 5 (keys and values are allocated by its first update, the prefill's), no
-        offloading, no q/k norm between projection and RoPE (Qwen3), tensors of the op's dtypes
-        and layout. Static under torch.compile (types, attributes, shapes)."""
+        has a tuned entry of either for the shape and `_static_kv_layer` gives one."""
+        layer = self._static_kv_layer(cache, qkv.shape[0], qkv.dtype, qkv.device, cos, cache_position)
+        if layer is None:
+            return None
+        s = layer.keys.shape[2]
+        if not (_uses(self._rope_kv, (qkv.shape[0], s)) or _uses(self._rope_kv_attn, (qkv.shape[0], s))):
+            return None
+        return layer
+
+    def _static_kv_layer(self, cache, bsz, dtype, device, cos, cache_position):
+        """The StaticCache layer a kernel may write this one-token step's k and v into, or None:
+        an initialised full-attention StaticLayer of transformers 5 (keys and values are
+        allocated by its first update, the prefill's), no offloading, no q/k norm between
+        projection and RoPE (Qwen3), tensors of the ops' dtypes and layout. Static under
+        torch.compile (types, attributes, shapes)."""
         layers = getattr(cache, "layers", None)
         if layers is None or self.q_norm is not None or cache_position is not None or \
                 getattr(cache, "offloading", False):
@@ -385,14 +398,42 @@ class HwtuneAttention(nn.Module):
                 not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
             return None
         keys, values = layer.keys, layer.values
-        bsz, d, hkv = qkv.shape[0], self.head_dim, self.num_kv_heads
+        d, hkv = self.head_dim, self.num_kv_heads
         if tuple(keys.shape) != (bsz, hkv, keys.shape[2], d) or tuple(values.shape) != tuple(keys.shape) or \
-                keys.dtype != qkv.dtype or values.dtype != qkv.dtype or cos.dtype != qkv.dtype or \
-                not (keys.is_contiguous() and values.is_contiguous()) or keys.device != qkv.device:
-            return None
-        if not (_uses(self._rope_kv, (bsz, keys.shape[2])) or _uses(self._rope_kv_attn, (bsz, keys.shape[2]))):
+                keys.dtype != dtype or values.dtype != dtype or cos.dtype != dtype or \
+                not (keys.is_contiguous() and values.is_contiguous()) or keys.device != device:
             return None
         return layer
+
+    def norm_qkv_rope_decode(self, hidden_states, norm, tuned, position_embeddings, attention_mask, cache,
+                             cache_position, kwargs):
+        """A one-token step through hwtune::rms_norm_qkv_rope (`norm`'s RMSNorm, the q|k|v
+        projection, RoPE, and k and v written into the StaticCache layer at its
+        cumulative_length, advanced as StaticLayer.update advances it), then the decode attention
+        (hwtune::decode_attention where routed, else the model's own, over the cache that now
+        holds the token) -> the attention output [B, 1, Hq D]; None where `tuned` does not route
+        the shape or the layer is not one the kernel writes (nothing done then). Not with a q|k|v
+        bias or q_norm / k_norm (they sit between the projection and RoPE)."""
+        bsz, d, hq = hidden_states.shape[0], self.head_dim, self.num_heads
+        cos, sin = position_embeddings
+        if hidden_states.shape[1] != 1 or self.qkv_bias is not None or self.q_norm is not None:
+            return None
+        layer = self._static_kv_layer(cache, bsz, hidden_states.dtype, hidden_states.device, cos, cache_position)
+        if layer is None or not _uses(tuned, (bsz, layer.keys.shape[2])):
+            return None
+        keys, values = layer.keys, layer.values
+        positions, cos, sin = _step_rows(layer, cos, sin, bsz, d)
+        q = torch.ops.hwtune.rms_norm_qkv_rope(hidden_states.reshape(bsz, -1), norm.weight, self.qkv_weight,
+                                               norm.variance_epsilon, cos, sin, positions, keys, values,
+                                               self.table)
+        layer.cumulative_length.add_(1)
+        out = None
+        if _uses(self._decode_shapes, (bsz, keys.shape[2])) and self._static_layer(cache, keys, attention_mask):
+            out = self._decode(q, keys, values, attention_mask, cache, cache_position)
+        if out is None:   # a padded row (eager), or no decode kernel: the model's own, on the written cache
+            out = self._model_attention(q.view(bsz, 1, hq, d).transpose(1, 2), keys, values, attention_mask,
+                                        kwargs)
+        return out.reshape(bsz, 1, hq * d)
 
     def _fused_decode(self, qkv, cos, sin, layer, mask):
         """hwtune::rope_kv_attention at this one-token step: RoPE'd k and v written into the
@@ -471,17 +512,20 @@ class HwtuneAttention(nn.Module):
 # The attention modules that run RoPE + cache write + decode attention as one kernel (where the
 # table routes rope_kv_attention): PatchReport.patched key.
 FUSED_ATTENTION = "fused rope+kv write+attention"
-# The four fused parts of a decoder layer: PatchReport.patched key -> the kernel it runs.
+# The fused parts of a decoder layer: PatchReport.patched key -> the kernel it runs.
 FUSED_PARTS = {"fused norm+qkv": "rmsnorm_linear", "fused o+residual": "linear_residual",
-               "fused norm+gate_up+swiglu": "rmsnorm_gate_up_swiglu", "fused down+residual": "linear_residual"}
+               "fused norm+gate_up+swiglu": "rmsnorm_gate_up_swiglu", "fused down+residual": "linear_residual",
+               "fused norm+qkv+rope+kv write": "rmsnorm_qkv_rope"}
 DECODER_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 
 
 class HwtuneDecoderLayer(nn.Module):
     """A Llama-family decoder layer (norm, attention, residual add, norm, MLP, residual add) whose
-    patched norms, attention and MLP are called with up to four fused kernels, each where the table
-    routes it for the call's rows (M = batch x tokens):
+    patched norms, attention and MLP are called with up to five fused kernels, each where the table
+    routes it for the call's rows (M = batch x tokens; B and the cache length S for the first):
+      input_layernorm + q|k|v + RoPE + the StaticCache write, at a one-token step (no q|k|v bias,
+        no q_norm / k_norm; asked first) -> hwtune::rms_norm_qkv_rope, then the decode attention
       input_layernorm + q|k|v projection       -> hwtune::rms_norm_linear (q|k|v bias added after)
       o_proj + the residual add                -> hwtune::linear_residual (o_proj bias in the residual)
       post_attention_layernorm + gate|up + SwiGLU -> hwtune::rms_norm_gate_up_swiglu (no MLP bias)
@@ -515,6 +559,12 @@ class HwtuneDecoderLayer(nn.Module):
         down = mlp.down_proj
         self._down_residual = routes.tuned("linear_residual", dtype,
                                            {"K": down.in_features, "N": down.out_features}, ("M",))
+        # norm + q|k|v + RoPE + the cache write at a one-token step: no bias or q/k norm between
+        # the projection and RoPE
+        self._norm_qkv_rope = routes.tuned(
+            "rmsnorm_qkv_rope", dtype, {"K": hidden, "Hq": attn.num_heads, "Hkv": attn.num_kv_heads,
+                                        "D": attn.head_dim}, ("B", "S")) \
+            if norms_ok and attn.qkv_bias is None and attn.q_norm is None else none
         # transformers >= 5.24 names the cache argument `cache`, earlier versions `past_key_values`
         self._cache_kwarg = "cache" if "cache" in inspect.signature(original.forward).parameters \
             else "past_key_values"
@@ -522,7 +572,7 @@ class HwtuneDecoderLayer(nn.Module):
 
     def parts(self) -> dict:
         """PatchReport.patched key -> routed for some shape (True) or for none (False)."""
-        tuned = (self._norm_qkv, self._o_residual, self._norm_gate_up, self._down_residual)
+        tuned = (self._norm_qkv, self._o_residual, self._norm_gate_up, self._down_residual, self._norm_qkv_rope)
         return {part: t is None or bool(t) for part, t in zip(FUSED_PARTS, tuned)}
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
@@ -538,17 +588,22 @@ class HwtuneDecoderLayer(nn.Module):
         rows = _rows(hidden_states)
         residual = hidden_states
         norm = self.input_layernorm
-        if _uses(self._norm_qkv, rows):
-            qkv = torch.ops.hwtune.rms_norm_linear(hidden_states, norm.weight, attn.qkv_weight,
-                                                   norm.variance_epsilon, self.table)
-            if attn.qkv_bias is not None:
-                qkv = qkv + attn.qkv_bias
-        else:
-            qkv = attn.project(norm(hidden_states))
         # what the original layer hands its attention besides the cache (flash attention reads
         # position_ids)
-        out = attn.attend(qkv, position_embeddings, attention_mask, cache, cache_position,
-                          {"position_ids": position_ids, "use_cache": use_cache, **kwargs})
+        more = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}
+        out = None
+        if self._norm_qkv_rope is None or self._norm_qkv_rope:   # routed for some shape
+            out = attn.norm_qkv_rope_decode(hidden_states, norm, self._norm_qkv_rope, position_embeddings,
+                                            attention_mask, cache, cache_position, more)
+        if out is None:
+            if _uses(self._norm_qkv, rows):
+                qkv = torch.ops.hwtune.rms_norm_linear(hidden_states, norm.weight, attn.qkv_weight,
+                                                       norm.variance_epsilon, self.table)
+                if attn.qkv_bias is not None:
+                    qkv = qkv + attn.qkv_bias
+            else:
+                qkv = attn.project(norm(hidden_states))
+            out = attn.attend(qkv, position_embeddings, attention_mask, cache, cache_position, more)
         hidden_states = self._plus_linear(self._o_residual, out, attn.o_proj, attn._o, residual)
         residual = hidden_states
         norm = self.post_attention_layernorm
@@ -874,7 +929,8 @@ def decode_shapes(config, batches, context, fused: bool = True) -> dict[str, lis
     rope_kv_write are listed: the step calls rope_kv_write where it is tuned, else rope. `fused`
     (patch(..., fused=True)): also the fused decoder-layer kernels' shapes, rmsnorm_linear
     {M, K, N} (input norm + q|k|v), rmsnorm_gate_up_swiglu {M, K, I} and linear_residual {M, K, N}
-    (o_proj, down_proj), and rope_kv_attention {B, Hq, Hkv, D, S} (not Qwen3); the unfused shapes
+    (o_proj, down_proj), and rope_kv_attention {B, Hq, Hkv, D, S} and rmsnorm_qkv_rope {B, K, Hq,
+    Hkv, D, S} (not Qwen3; the latter not with a q|k|v bias either, but listed); the unfused shapes
     stay listed (the path where a fused one loses)."""
     batches = [batches] if isinstance(batches, int) else list(batches)
     contexts = [context] if isinstance(context, int) else list(context)
@@ -883,6 +939,7 @@ def decode_shapes(config, batches, context, fused: bool = True) -> dict[str, lis
     d = getattr(config, "head_dim", None) or h // hq
     out: dict[str, list[dict]] = {k: [] for k in ("rmsnorm", "linear", "swiglu", "rope", "rope_kv_write",
                                                   "rope_kv_attention", "decode_attention", "rmsnorm_linear",
+                                                  "rmsnorm_qkv_rope",
                                                   "rmsnorm_gate_up_swiglu", "linear_residual")}
 
     def add(kernel, shape):
@@ -909,6 +966,7 @@ def decode_shapes(config, batches, context, fused: bool = True) -> dict[str, lis
                 add("rope_kv_write", {"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s})
                 if fused:
                     add("rope_kv_attention", {"B": b, "Hq": hq, "Hkv": hkv, "D": d, "S": s})
+                    add("rmsnorm_qkv_rope", {"B": b, "K": h, "Hq": hq, "Hkv": hkv, "D": d, "S": s})
             add("decode_attention", {"B": b, "Hq": hq, "Hkv": hkv, "S": s, "D": d})
     return {k: v for k, v in out.items() if v}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from kernelsearch.specs.base import (DISTRIBUTIONS, DTYPES, KernelSpec, dtype_from_name,
                                      dtype_name)
 from kernelsearch.specs import (add_rmsnorm, decode_attention, linear, linear_residual, matmul,
-                               rmsnorm, rmsnorm_gate_up_swiglu, rmsnorm_linear, rope,
-                               rope_kv_attention, rope_kv_write, softmax, swiglu)
+                               rmsnorm, rmsnorm_gate_up_swiglu, rmsnorm_linear, rmsnorm_qkv_rope,
+                               rope, rope_kv_attention, rope_kv_write, softmax, swiglu)
 
 SPECS: dict[str, KernelSpec] = {
     "rmsnorm": rmsnorm.SPEC,
@@ -21,6 +21,7 @@ SPECS: dict[str, KernelSpec] = {
     "rmsnorm_gate_up_swiglu": rmsnorm_gate_up_swiglu.SPEC,
     "linear_residual": linear_residual.SPEC,
     "rope_kv_attention": rope_kv_attention.SPEC,
+    "rmsnorm_qkv_rope": rmsnorm_qkv_rope.SPEC,
 }
 
 

@@ -1,0 +1,158 @@
+"""The rmsnorm_qkv_rope template (RMSNorm + q|k|v + RoPE + the KV-cache write in one launch): the
+trusted harness accepts its configs over the spec's CPU sweep (Triton interpreter), and rejects
+the template changed the ways a wrong kernel would be, each by the guard that should catch it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = ROOT / "kernelsearch" / "kernels" / "rmsnorm_qkv_rope.py"
+
+
+def _p(bn, bk, pipe=0, warps=4, stages=2, bm=8):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PIPE": pipe, "num_warps": warps,
+            "num_stages": stages}
+
+
+# The CPU sweep: K 40..100 (a ragged last step), D 8..34 (a head of 17 pairs: pairs that straddle
+# two heads in one program), batch 1..9 (two row blocks), bf16; tiles of 2, 4 and 16 pairs
+HARNESS_CASES = {
+    "first_config": None,            # CONFIGS[0]
+    "pipelined_16_rows": _p(16, 64, pipe=1, stages=3),
+    "one_row_of_x": _p(4, 64, bm=1),
+    "two_rows_of_x_32_rows": _p(32, 64, bm=2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HARNESS_CASES))
+def test_the_harness_accepts_the_config_over_the_cpu_sweep(case):
+    from kernelsearch.harness import evaluate
+    from kernelsearch.kernels import rmsnorm_qkv_rope
+    from kernelsearch.specs import SPECS
+
+    params = HARNESS_CASES[case] or rmsnorm_qkv_rope.CONFIGS[0]
+    v = evaluate("rmsnorm_qkv_rope", TEMPLATE, params=params, device="cpu", time_it=False)
+    assert v.accepted, f"{v.guard}: {v.reason}"
+    assert len(v.shapes) == len(SPECS["rmsnorm_qkv_rope"].shapes("cpu")) + 1  # + one drawn at random
+    assert all(s.status == "ok" for s in v.shapes), [(s.shape, s.status) for s in v.shapes]
+
+
+# (what is changed, the replacement, the guard that must reject it, words in its reason)
+HACKS = {
+    # k written into the cache without RoPE
+    "k_not_rotated": ("    tl.store(k_ptr + slot, lo_r.to(ty), mask=k_mask)\n    tl.store(k_ptr + slot + HALF, hi_r.to(ty), mask=k_mask)\n",
+                      "    tl.store(k_ptr + slot, lo.to(ty), mask=k_mask)\n    tl.store(k_ptr + slot + HALF, hi.to(ty), mask=k_mask)\n",
+                      "correctness", ["k_cache"]),
+    # half of each v row never written: the harness's poison is still there
+    "v_half_unwritten": ("    tl.store(v_ptr + slot + HALF, hi_r.to(ty), mask=v_mask)\n", "", "unwritten_output", ["v_cache"]),
+    # rotate_half's sign dropped
+    "sin_sign": ("lo * c_lo - hi * s_lo", "lo * c_lo + hi * s_lo", "correctness", ["q_out"]),
+    # the two halves of a pair swapped in the tile
+    "halves_swapped": ("row = (pair // HALF) * D + pair % HALF + (t % 2) * HALF",
+                       "row = (pair // HALF) * D + pair % HALF + (1 - t % 2) * HALF", "correctness", []),
+    # a hard-coded eps
+    "fixed_eps": ("inv = 1.0 / tl.sqrt(tl.sum(sq1, axis=0) / K + eps)",
+                  "inv = 1.0 / tl.sqrt(tl.sum(sq1, axis=0) / K + 1e-6)", "correctness", []),
+    # the cache slot taken as 0 whatever the position: rows the op must not touch change
+    "slot_ignores_position": ("tl.where(slot_ok, pos, 0)[:, None]", "tl.where(slot_ok, 0, 0)[:, None]",
+                              "inout_mutated", ["k_cache"]),
+}
+
+
+@pytest.mark.parametrize("hack", sorted(HACKS))
+def test_the_harness_rejects_the_template_changed_into_a_wrong_kernel(hack, tmp_path):
+    from kernelsearch.harness import evaluate
+
+    old, new, guard, words = HACKS[hack]
+    text = TEMPLATE.read_text()
+    assert text.count(old) == 1, hack
+    path = tmp_path / f"hack_{hack}.py"
+    path.write_text(text.replace(old, new))
+    v = evaluate("rmsnorm_qkv_rope", path, params=_p(8, 64, bm=1), device="cpu", time_it=False, fresh=True,
+                 shapes=[{"B": 1, "K": 64, "Hq": 4, "Hkv": 2, "D": 16, "S": 8}])
+    assert not v.accepted and v.guard == guard, f"{v.guard}: {v.reason}"
+    for w in words:
+        assert w in v.reason, v.reason
+
+
+def test_configs_are_valid_points_of_the_space():
+    from kernelsearch.kernels import rmsnorm_qkv_rope as t
+
+    for p in t.CONFIGS:
+        assert set(p) == set(t.SPACE) and all(p[k] in t.SPACE[k] for k in p) and t._valid(p), p
+        assert p["BLOCK_N"] % 2 == 0   # whole RoPE pairs
+
+
+_PTX_CHILD = r"""
+import json, os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+from kernelsearch.kernels import rmsnorm_qkv_rope as Q
+
+names = ["x_ptr", "g_ptr", "w_ptr", "cos_ptr", "sin_ptr", "pos_ptr", "k_ptr", "v_ptr", "q_ptr",
+         "M", "K", "Hq", "Hkv", "S", "D", "HALF", "n_pairs", "eps"]
+types = ["*bf16"] * 5 + ["*i64"] + ["*bf16"] * 3 + ["i32"] * 8 + ["fp32"]
+rows = []
+for p in Q.CONFIGS:   # batch 1, as the launcher compiles each config at Llama-3-8B's q|k|v
+    consts = dict(BLOCK_M=1, BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], EVEN_K=True,
+                  LOOP_STAGES=p["num_stages"] if p["PIPE"] else 1,
+                  SQ_R=max(1, min(8, p["BLOCK_K"] // (32 * p["num_warps"]))))
+    sig = dict(zip(names, types))
+    sig.update({k: "constexpr" for k in consts})
+    # what the launcher specializes at the decode shapes: pointers, K, D and n_pairs % 16
+    div = [names.index(n) for n in names[:9] + ["K", "D", "n_pairs"]]
+    src = ASTSource(fn=Q._qkv_rope_kernel, signature=sig, constexprs=consts,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in div})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": p["num_warps"], "num_stages": p["num_stages"]})
+    text = k.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        f = os.path.join(d, "k.ptx")
+        open(f, "w").write(text)
+        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f, "-o",
+                            os.path.join(d, "k.o")], capture_output=True, text=True)
+    out = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores", out)
+    rows.append({"params": p, "regs": int(regs.group(1)) if regs else None,
+                 "spills": int(spills.group(1)) if spills else None,
+                 "v4": len(re.findall(r"ld\.global[\w.:]*evict_first[\w.:]*\.v4\.b32", text)),
+                 "ef": len(re.findall(r"ld\.global[\w.:]*evict_first[\w.:]*", text)),
+                 "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*0x10", text)),
+                 "weight_cp_narrow": len(re.findall(r"cp\.async[.\w]*\.L2::cache_hint(?![^;]*0x10)[^;]*;", text)),
+                 "cp_any": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", text))})
+print(json.dumps(rows))
+"""
+
+
+def test_weight_loads_are_16_byte_vectors_in_the_sm90_ptx_and_nothing_spills():
+    """The pair-interleaved tile must not cost the weight stream anything: every config compiled
+    for sm_90 here (no GPU needed) loads the weight in 16-byte vectors (PIPE=0: evict_first
+    ld.global.v4; PIPE=1: 16-byte cp.async, none narrower) and spills nothing."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, "-c", _PTX_CHILD], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("no ptxas in this triton install")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    from kernelsearch.kernels import rmsnorm_qkv_rope
+
+    assert len(rows) == len(rmsnorm_qkv_rope.CONFIGS)
+    for c in rows:
+        p = c["params"]
+        assert c["spills"] == 0 and c["regs"] is not None and c["regs"] <= 128, c
+        if p["PIPE"]:
+            assert c["cp16"] >= 4 and c["weight_cp_narrow"] == 0 and c["ef"] == 0, c
+        else:
+            assert c["v4"] >= 2 and c["ef"] == c["v4"] and c["cp_any"] == 0, c
