@@ -78,6 +78,15 @@
 #                                        ($OUT/dispatch-judged.json; the decisions and the step as given / as
 #                                        judged in q-judge.json). TABLE must be this device's (run13/M's is an
 #                                        H200's: elsewhere run "search" first and give its table)
+#   bench/issue13_gpu.sh QR TABLE        norm + q|k|v + RoPE + the cache write in one kernel: TABLE less
+#                                        decode_attention, rmsnorm_qkv_rope (all 6 configs) and
+#                                        decode_attention (QR_EVALS, default 24, configs a shape) searched
+#                                        into it at batch 1 and 32 (a fresh ledger: $OUT/ledger.sqlite;
+#                                        $OUT/dispatch.json), then the judge (JUDGE_TOP, default 8) on a copy
+#                                        at batch 1 ($OUT/dispatch-judged.json, qr-judge.json): it keeps the
+#                                        new path only where the step is faster than the table's own
+#                                        (rope_kv_attention). Then R TABLE JUDGED (the rows, same machine)
+#                                        and VH TABLE JUDGED (the hf-llama rows)
 #   bench/issue13_gpu.sh R SEARCHED JUDGED   the built-in rows (tuned-nopdl, tuned) on SEARCHED, JUDGED,
 #                                        SEARCHED, JUDGED (the same-run comparison), then the gap
 #                                        breakdown on JUDGED
@@ -436,6 +445,19 @@ Q)
   search_attention "$OUT/dispatch.json" ${ATTN_EVALS:-24} ${ATTN_BUDGET:-60} ${ATTN_S:-150} /tmp/q-attn.json
   cp "$OUT/dispatch.json" "$OUT/dispatch-judged.json"
   judge_step "$OUT/dispatch-judged.json" ${JUDGE_S:-260} "$OUT/q-judge.json"
+  backup_ledger ;;
+QR)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  device_table "$table"
+  seed_table "$table" decode_attention   # its entries searched again, beside the new kernel's
+  timeout ${QR_S:-260} python3 bench/search_decode.py --state-dir $ST --shapes 1x2048,32x2048 \
+      --kernels rmsnorm_qkv_rope,decode_attention --budget-s ${QR_BUDGET:-230} --evals ${QR_EVALS:-24} \
+      --json /tmp/qr-search.json
+  echo "qkv_rope search rc=$?"
+  cp $ST/dispatch/*.json "$OUT/dispatch.json"
+  cp "$OUT/dispatch.json" "$OUT/dispatch-judged.json"
+  JUDGE_TOP=${JUDGE_TOP:-8} judge_step "$OUT/dispatch-judged.json" ${JUDGE_S:-250} "$OUT/qr-judge.json" 1x2048
   backup_ledger ;;
 R)
   exec >> "$OUT/run.log" 2>&1

@@ -2,7 +2,9 @@
 
     python3 bench/experiments/sass_count.py [MODULE] [--block-s 16] [--warps 4] [--stages 3]
 
-MODULE: kernelsearch.kernels.rope_kv_attention (default) or a candidate's file path. Compiles
+MODULE: kernelsearch.kernels.rope_kv_attention (default), kernelsearch.kernels.decode_attention
+(its `_split_kernel`: the attention alone, q already rotated and the new token already in the
+cache, as after rmsnorm_qkv_rope) or a candidate's file path. Compiles
 `_rope_attn_kernel` for sm_90 (bf16, D 128, a GQA group padded to 16 rows, REDUCE launch) with
 `triton.compile` and triton's own ptxas and nvdisasm: no GPU needed. Prints the registers, the
 static count, each branch and where it goes. The loop is the span a backward branch closes: the
@@ -31,7 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 POINTERS = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "pos_ptr": "*i64",
             "k_ptr": "*bf16", "v_ptr": "*bf16", "m_ws": "*fp32", "l_ws": "*fp32", "acc_ws": "*fp32",
-            "out_ptr": "*bf16", "cnt_ptr": "*i32"}
+            "out_ptr": "*bf16", "cnt_ptr": "*i32", "q_ptr": "*bf16", "lens_ptr": "*i32"}
 
 
 def load(module: str):
@@ -54,7 +56,8 @@ def sass(fn, consts: dict, warps: int, stages: int) -> tuple[str, str]:
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-    div = [i for i, n in enumerate(fn.arg_names) if n in POINTERS or n in ("D", "S")]
+    div = [i for i, n in enumerate(fn.arg_names)
+           if n in POINTERS or n in ("D", "S") or n.startswith("s_")]   # what the launcher specialises (128, ...)
     src = ASTSource(fn=fn, signature=sig, constexprs=consts,
                     attrs={(i,): [["tt.divisibility", 16]] for i in div})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -81,9 +84,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     mod = load(args.module)
     consts = dict(BLOCK_G=16, BLOCK_S=args.block_s, BLOCK_D=128, UPCAST=False, DOT_PRECISION="tf32",
-                  LAST_REDUCES=False, GROUP_P2=4, BLOCK_SPLITS=32, SPLIT_CHUNK=32, RNE_BF16=False,
-                  DIRECT=False)
-    regs, text = sass(mod._rope_attn_kernel, consts, args.warps, args.stages)
+                  LAST_REDUCES=False, GROUP_P2=4, BLOCK_SPLITS=32, SPLIT_CHUNK=32)
+    fn = getattr(mod, "_rope_attn_kernel", None)
+    if fn is None:   # decode_attention: no RoPE, no cache write, no one-split path
+        fn = mod._split_kernel
+    else:
+        consts.update(RNE_BF16=False, DIRECT=False)
+    regs, text = sass(fn, consts, args.warps, args.stages)
     ins, labels = [], {}
     for line in text.splitlines():
         m = re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(.*?);", line)
