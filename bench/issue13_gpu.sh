@@ -85,8 +85,14 @@
 #                                        $OUT/dispatch.json), then the judge (JUDGE_TOP, default 8) on a copy
 #                                        at batch 1 ($OUT/dispatch-judged.json, qr-judge.json): it keeps the
 #                                        new path only where the step is faster than the table's own
-#                                        (rope_kv_attention). Then R TABLE JUDGED (the rows, same machine)
-#                                        and VH TABLE JUDGED (the hf-llama rows)
+#                                        (rope_kv_attention). Then JS JUDGED 1x2047 LEDGER, R TABLE JUDGED (the
+#                                        rows, same machine) and VH TABLE JUDGED (the hf-llama rows)
+#   bench/issue13_gpu.sh JS TABLE SHAPES [LEDGER]   the judge (JUDGE_TOP, default 8; alternatives from
+#                                        LEDGER, else stock only) on a copy of TABLE at SHAPES
+#                                        ($OUT/dispatch-judged.json, js-judge.json). SHAPES 1x2047 judges
+#                                        the built-in step on a 2048-slot cache: the attention-side entries
+#                                        hf-llama's StaticCache(2048) routes, which 1x2048 (2112 slots)
+#                                        never judges
 #   bench/issue13_gpu.sh R SEARCHED JUDGED   the built-in rows (tuned-nopdl, tuned) on SEARCHED, JUDGED,
 #                                        SEARCHED, JUDGED (the same-run comparison), then the gap
 #                                        breakdown on JUDGED
@@ -459,6 +465,14 @@ QR)
   cp "$OUT/dispatch.json" "$OUT/dispatch-judged.json"
   JUDGE_TOP=${JUDGE_TOP:-8} judge_step "$OUT/dispatch-judged.json" ${JUDGE_S:-250} "$OUT/qr-judge.json" 1x2048
   backup_ledger ;;
+JS)
+  exec >> "$OUT/run.log" 2>&1
+  cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
+  device_table "$table"
+  [ -n "${4:-}" ] && seed_ledger "$4"   # the ledger QR wrote: the judge's alternatives besides stock
+  cp "$table" "$OUT/dispatch-judged.json"
+  JUDGE_TOP=${JUDGE_TOP:-8} judge_step "$OUT/dispatch-judged.json" ${JUDGE_S:-300} "$OUT/js-judge.json" \
+      "${3:?usage: issue13_gpu.sh JS TABLE SHAPES [LEDGER]}" ;;
 R)
   exec >> "$OUT/run.log" 2>&1
   cat "$OUT/env.txt"; rm -f "$OUT/env.txt"
