@@ -278,19 +278,22 @@ def _(x, norm_weight, weight, eps, table=0):
 
 # --- rms_norm_qkv_rope ----------------------------------------------------------------------
 def _qkv_rope_args(x, norm_weight, weight, cos, sin, positions, k_cache, v_cache):
-    _norm_linear_args("rms_norm_qkv_rope", x, norm_weight, weight)
-    _same_dtype("rms_norm_qkv_rope", x, cos, sin, k_cache, v_cache)
-    b = x.shape[0]
     if x.dim() != 2 or k_cache.dim() != 4 or tuple(v_cache.shape) != tuple(k_cache.shape) \
-            or k_cache.shape[0] != b or positions.shape != (b,):
+            or k_cache.shape[0] != x.shape[0] or tuple(positions.shape) != (x.shape[0],):
         raise ValueError(f"hwtune::rms_norm_qkv_rope: x{tuple(x.shape)} k_cache{tuple(k_cache.shape)} "
                          f"v_cache{tuple(v_cache.shape)} positions{tuple(positions.shape)}: expected x [B, K], "
                          "caches [B, Hkv, S, D], positions [B]")
-    hkv, d = k_cache.shape[1], k_cache.shape[3]
+    _norm_linear_args("rms_norm_qkv_rope", x, norm_weight, weight)
+    _same_dtype("rms_norm_qkv_rope", x, cos, sin, k_cache, v_cache)
+    b, hkv, d = x.shape[0], k_cache.shape[1], k_cache.shape[3]
     n = weight.shape[0]
     if d < 2 or d % 2 or n % d or n // d <= 2 * hkv:
         raise ValueError(f"hwtune::rms_norm_qkv_rope: weight{tuple(weight.shape)} is not [(Hq + 2 Hkv) D, K] "
                          f"for k_cache{tuple(k_cache.shape)} (D even)")
+    for name, t in (("cos", cos), ("sin", sin)):   # [B, D], or one row for the whole batch
+        if t.shape[-1:] != (d,) or t.numel() not in (d, b * d):
+            raise ValueError(f"hwtune::rms_norm_qkv_rope: {name}{tuple(t.shape)}: expected [B, D] or [1, D] "
+                             f"with D = {d}")
     # written in place: a copy would take the writes away from the caller's cache
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("hwtune::rms_norm_qkv_rope: k_cache and v_cache must be contiguous")

@@ -209,6 +209,16 @@ def test_rms_norm_qkv_rope_fake_gives_q_and_refuses_a_weight_that_is_not_whole_h
     bad[7] = torch.randn(2, 10, 2, 16).transpose(1, 2)   # a strided cache: the writes would be lost
     with pytest.raises(ValueError, match="contiguous"):
         torch.ops.hwtune.rms_norm_qkv_rope(*bad)
+    for i, t in ((0, torch.randn(2, 1, 64)), (4, torch.randn(3, 16)), (5, torch.randn(2, 8))):
+        bad = list(args)   # x with a token axis; cos of 3 rows for 2; sin of another head size
+        bad[i] = t
+        with pytest.raises(ValueError, match="hwtune::rms_norm_qkv_rope"):
+            torch.ops.hwtune.rms_norm_qkv_rope(*bad)
+    # cos / sin of one row serve the whole batch (position_ids of batch 1)
+    one = list(args[:4]) + [args[4][:1], args[5][:1]] + list(args[6:7]) + [t.clone() for t in args[7:]]
+    full = list(args[:4]) + [args[4][:1].expand(2, 16), args[5][:1].expand(2, 16)] + list(args[6:7]) + \
+        [t.clone() for t in args[7:]]
+    assert torch.equal(torch.ops.hwtune.rms_norm_qkv_rope(*one), torch.ops.hwtune.rms_norm_qkv_rope(*full))
 
 
 @pytest.mark.parametrize("name", ["rms_norm_linear", "rms_norm_gate_up_swiglu", "linear_residual"])
