@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CP_ASYNC_KEEPS_L2_POLICY
+from tests.sm90 import run_ptx_child
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "kernelsearch" / "kernels" / "linear_residual.py"
@@ -151,12 +152,9 @@ def test_split_k_and_direct_paths_agree_with_each_other_and_the_fp64_reference()
 
 
 _PTX_CHILD = r"""
-import json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+import json, re
 from kernelsearch.kernels import linear_residual as L
+from tests.sm90 import compile_ptx as _compile, ptxas_usage as ptxas_spills
 
 NAMES = ["x_ptr", "w_ptr", "r_ptr", "ws_ptr", "c_ptr", "cnt_ptr", "M", "N", "K", "split_steps",
          "s_xm", "s_xk", "s_wn", "s_wk", "s_rm", "s_rn", "s_cm", "s_cn"]
@@ -164,26 +162,9 @@ NAMES = ["x_ptr", "w_ptr", "r_ptr", "ws_ptr", "c_ptr", "cnt_ptr", "M", "N", "K",
 def compile_ptx(fn, consts, warps, stages):
     sig = dict(zip(NAMES, ["*bf16", "*bf16", "*bf16", "*fp32", "*bf16", "*i32"] + ["i32"] * 12))
     consts = dict(consts, s_xk=1, s_wk=1, s_rn=1, s_cn=1)
-    sig.update({k: "constexpr" for k in consts})
     # what the launcher specializes at the decode shapes: pointers, N, K and row strides % 16
-    div = [NAMES.index(n) for n in ("x_ptr", "w_ptr", "r_ptr", "ws_ptr", "c_ptr", "cnt_ptr", "N",
-                                      "K", "s_xm", "s_wn", "s_rm", "s_cm")]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in div})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, "num_stages": stages})
-    return k.asm["ptx"]
-
-def ptxas_spills(ptx):
-    with tempfile.TemporaryDirectory() as d:
-        f = os.path.join(d, "k.ptx")
-        open(f, "w").write(ptx)
-        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f, "-o",
-                            os.path.join(d, "k.o")], capture_output=True, text=True)
-        text = r.stdout + r.stderr
-        regs = re.search(r"Used (\d+) registers", text)
-        spills = re.search(r"(\d+) bytes spill stores", text)
-        return (int(regs.group(1)) if regs else None), (int(spills.group(1)) if spills else None)
+    return _compile(fn, sig, consts, ("x_ptr", "w_ptr", "r_ptr", "ws_ptr", "c_ptr", "cnt_ptr", "N", "K",
+                                      "s_xm", "s_wn", "s_rm", "s_cm"), warps, stages)[0]
 
 rows = []
 for p in L.CONFIGS:
@@ -219,15 +200,7 @@ def test_weight_loads_are_16_byte_vectors_in_the_sm90_ptx_and_nothing_spills():
     weight loads); PIPE=1 gemv: 16-byte cp.async (0x10) under an L2 evict_first policy (x, an
     eighth of the bytes from L2, may go 8 bytes at a time); the tl.dot configs: 16-byte
     cp.async only. Compiled for sm_90 here, no GPU needed (ptxas ships with triton)."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _PTX_CHILD], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("no ptxas in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_ptx_child(_PTX_CHILD)
     assert len(rows) == len(_template().CONFIGS)
     for row in rows:
         p = row["params"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CP_ASYNC_KEEPS_L2_POLICY
+from tests.sm90 import run_ptx_child
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = "rmsnorm_gate_up_swiglu"
@@ -234,12 +235,9 @@ def test_split_k_and_direct_paths_agree_and_counters_return_to_zero():
 
 
 _PTX_CHILD = r"""
-import importlib.util, json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+import importlib.util, json, os, re, tempfile
 from kernelsearch.kernels import rmsnorm_gate_up_swiglu as T
+from tests.sm90 import compile_ptx, ptxas_usage as ptxas
 
 NAMES = ["x_ptr", "nw_ptr", "w_ptr", "ws_ptr", "ss_ptr", "c_ptr", "cnt_ptr", "M", "I", "K",
          "split_steps", "eps", "s_xm", "s_xk", "s_nk", "s_wn", "s_wk", "s_cm", "s_cn"]
@@ -247,28 +245,10 @@ TYPES = ["*bf16", "*bf16", "*bf16", "*fp32", "*fp32", "*bf16", "*i32", "i32", "i
          "i32", "fp32"] + ["i32"] * 7
 
 def ptx(fn, consts, warps, stages):
-    sig = dict(zip(NAMES, TYPES))
     consts = dict(consts, s_xk=1, s_nk=1, s_wk=1, s_cn=1)
-    sig.update({k: "constexpr" for k in consts})
     # what the launcher specializes at the decode shapes: pointers, I, K and row strides % 16
-    div = [NAMES.index(n) for n in ("x_ptr", "nw_ptr", "w_ptr", "ws_ptr", "ss_ptr", "c_ptr",
-                                      "cnt_ptr", "I", "K", "s_xm", "s_wn", "s_cm")]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in div})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, "num_stages": stages})
-    return k.asm["ptx"], k.metadata.shared
-
-def ptxas(text):
-    with tempfile.TemporaryDirectory() as d:
-        f = os.path.join(d, "k.ptx")
-        open(f, "w").write(text)
-        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f, "-o",
-                            os.path.join(d, "k.o")], capture_output=True, text=True)
-        out = r.stdout + r.stderr
-        regs = re.search(r"Used (\d+) registers", out)
-        spills = re.search(r"(\d+) bytes spill stores", out)
-        return (int(regs.group(1)) if regs else None), (int(spills.group(1)) if spills else None)
+    return compile_ptx(fn, dict(zip(NAMES, TYPES)), consts, ("x_ptr", "nw_ptr", "w_ptr", "ws_ptr", "ss_ptr",
+                       "c_ptr", "cnt_ptr", "I", "K", "s_xm", "s_wn", "s_cm"), warps, stages)
 
 # the template's gemv with its K loop a plain range loop: what PIPE=0 must compile to
 LOOP = "tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES)"
@@ -337,15 +317,7 @@ def test_weight_loads_are_16_byte_vectors_in_the_sm90_ptx():
     cp.async copies under an L2 evict_first policy (x and norm_weight, from L2, may go narrower),
     nothing spilled, and PIPE=0 compiles to the PTX of a plain range loop (line info off).
     Compiled for sm_90 here, no GPU needed (ptxas ships with triton)."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1", TRITON_DISABLE_LINE_INFO="1")
-    proc = subprocess.run([sys.executable, "-c", _PTX_CHILD], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("no ptxas in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = run_ptx_child(_PTX_CHILD, TRITON_DISABLE_LINE_INFO="1")
     assert counts["pipe0_is_plain_range"] == [True, True, True], counts["pipe0_is_plain_range"]
     assert counts["pipelined_differs"]
     for name in ("G2", "G4", "P1", "P3", "P1_split"):

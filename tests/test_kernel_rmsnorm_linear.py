@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CP_ASYNC_KEEPS_L2_POLICY
+from tests.sm90 import run_ptx_child
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "kernelsearch" / "kernels" / "rmsnorm_linear.py"
@@ -187,39 +188,18 @@ def test_the_first_config_is_the_batch_1_gemv_and_the_middle_one_a_batch_32_dot(
 
 
 _PTX_CHILD = r"""
-import json, os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+import json, re
 from kernelsearch.kernels import rmsnorm_linear as L
+from tests.sm90 import compile_ptx, ptxas_usage as ptxas
 
 def ptx(fn, consts, warps, stages):
     names = ["x_ptr", "g_ptr", "w_ptr", "ws_ptr", "ss_ptr", "c_ptr", "cnt_ptr", "M", "N", "K",
              "split_steps", "eps", "s_xm", "s_xk", "s_gk", "s_wn", "s_wk", "s_cm", "s_cn"]
     types = ["*bf16", "*bf16", "*bf16", "*fp32", "*fp32", "*bf16", "*i32"] + ["i32"] * 4 + ["fp32"] + ["i32"] * 7
-    sig = dict(zip(names, types))
     consts = dict(consts, s_xk=1, s_gk=1, s_wk=1, s_cn=1)
-    sig.update({k: "constexpr" for k in consts})
     # what the launcher specializes at the decode shapes: pointers, N, K and row strides % 16
-    div = [names.index(n) for n in ("x_ptr", "g_ptr", "w_ptr", "ws_ptr", "ss_ptr", "c_ptr", "cnt_ptr",
-                                      "N", "K", "s_xm", "s_wn", "s_cm")]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in div})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, "num_stages": stages})
-    return k.asm["ptx"], k.metadata.shared
-
-def ptxas(text):
-    with tempfile.TemporaryDirectory() as d:
-        f = os.path.join(d, "k.ptx")
-        open(f, "w").write(text)
-        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f, "-o",
-                            os.path.join(d, "k.o")], capture_output=True, text=True)
-        out = r.stdout + r.stderr
-        regs = re.search(r"Used (\d+) registers", out)
-        spills = re.search(r"(\d+) bytes spill stores", out)
-        return (int(regs.group(1)) if regs else None), (int(spills.group(1)) if spills else None)
+    return compile_ptx(fn, dict(zip(names, types)), consts, ("x_ptr", "g_ptr", "w_ptr", "ws_ptr", "ss_ptr",
+                       "c_ptr", "cnt_ptr", "N", "K", "s_xm", "s_wn", "s_cm"), warps, stages)
 
 ef_v4 = r"ld\.global[\w.:]*evict_first[\w.:]*\.v4\.b32"
 ef_all = r"ld\.global[\w.:]*evict_first[\w.:]*"
@@ -263,15 +243,7 @@ def test_weight_loads_are_16_byte_vectors_in_the_sm90_ptx_and_nothing_spills():
     register-loading loop, unchanged); PIPE=1 gemv: the weight through 16-byte cp.async under
     an L2 evict_first policy, into the shared memory _valid budgets; the tl.dot split-K (D2):
     16-byte cp.async. ptxas: no spills. Compiled for sm_90 here, no GPU needed."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _PTX_CHILD], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("no ptxas in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_ptx_child(_PTX_CHILD)
     configs = _template().CONFIGS
     assert len(rows) == sum(p["variant"] in ("gemv", "swapab") for p in configs) + 1, rows
     assert sum(c["params"]["PIPE"] for c in rows) == 2

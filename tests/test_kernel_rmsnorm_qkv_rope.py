@@ -3,13 +3,11 @@ trusted harness accepts its configs over the spec's CPU sweep (Triton interprete
 the template changed the ways a wrong kernel would be, each by the guard that should catch it."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.sm90 import run_ptx_child
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "kernelsearch" / "kernels" / "rmsnorm_qkv_rope.py"
@@ -90,12 +88,9 @@ def test_configs_are_valid_points_of_the_space():
 
 
 _PTX_CHILD = r"""
-import json, os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+import json, re
 from kernelsearch.kernels import rmsnorm_qkv_rope as Q
+from tests.sm90 import compile_ptx, ptxas_usage
 
 names = ["x_ptr", "g_ptr", "w_ptr", "cos_ptr", "sin_ptr", "pos_ptr", "k_ptr", "v_ptr", "q_ptr",
          "M", "K", "Hq", "Hkv", "S", "D", "HALF", "n_pairs", "eps"]
@@ -105,25 +100,11 @@ for p in Q.CONFIGS:   # batch 1, as the launcher compiles each config at Llama-3
     consts = dict(BLOCK_M=1, BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], EVEN_K=True,
                   LOOP_STAGES=p["num_stages"] if p["PIPE"] else 1,
                   SQ_R=max(1, min(8, p["BLOCK_K"] // (32 * p["num_warps"]))))
-    sig = dict(zip(names, types))
-    sig.update({k: "constexpr" for k in consts})
     # what the launcher specializes at the decode shapes: pointers, K, D and n_pairs % 16
-    div = [names.index(n) for n in names[:9] + ["K", "D", "n_pairs"]]
-    src = ASTSource(fn=Q._qkv_rope_kernel, signature=sig, constexprs=consts,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in div})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": p["num_warps"], "num_stages": p["num_stages"]})
-    text = k.asm["ptx"]
-    with tempfile.TemporaryDirectory() as d:
-        f = os.path.join(d, "k.ptx")
-        open(f, "w").write(text)
-        r = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f, "-o",
-                            os.path.join(d, "k.o")], capture_output=True, text=True)
-    out = r.stdout + r.stderr
-    regs = re.search(r"Used (\d+) registers", out)
-    spills = re.search(r"(\d+) bytes spill stores", out)
-    rows.append({"params": p, "regs": int(regs.group(1)) if regs else None,
-                 "spills": int(spills.group(1)) if spills else None,
+    text, _ = compile_ptx(Q._qkv_rope_kernel, dict(zip(names, types)), consts, names[:9] + ["K", "D", "n_pairs"],
+                          p["num_warps"], p["num_stages"])
+    regs, spills = ptxas_usage(text)
+    rows.append({"params": p, "regs": regs, "spills": spills,
                  "v4": len(re.findall(r"ld\.global[\w.:]*evict_first[\w.:]*\.v4\.b32", text)),
                  "ef": len(re.findall(r"ld\.global[\w.:]*evict_first[\w.:]*", text)),
                  "cp16": len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*0x10", text)),
@@ -137,17 +118,9 @@ def test_weight_loads_are_16_byte_vectors_in_the_sm90_ptx_and_nothing_spills():
     """The pair-interleaved tile must not cost the weight stream anything: every config compiled
     for sm_90 here (no GPU needed) loads the weight in 16-byte vectors (PIPE=0: evict_first
     ld.global.v4; PIPE=1: 16-byte cp.async, none narrower) and spills nothing."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _PTX_CHILD], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("no ptxas in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
     from kernelsearch.kernels import rmsnorm_qkv_rope
 
+    rows = run_ptx_child(_PTX_CHILD)
     assert len(rows) == len(rmsnorm_qkv_rope.CONFIGS)
     for c in rows:
         p = c["params"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CP_ASYNC_KEEPS_L2_POLICY
+from tests.sm90 import run_ptx_child
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,27 +103,18 @@ def test_bench_linear_gpu_refuses_cpu_without_the_interpreter():
 
 
 _PTX_CHILD = r"""
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re
 from kernelsearch.kernels import linear as L
+from tests.sm90 import compile_ptx
 
 def ptx(fn, consts, warps, stages):
     names = ["x_ptr", "w_ptr", "ws_ptr", "c_ptr", "cnt_ptr", "M", "N", "K", "split_steps",
              "s_xm", "s_xk", "s_wn", "s_wk", "s_cm", "s_cn"]
     types = ["*bf16", "*bf16", "*fp32", "*bf16", "*i32"] + ["i32"] * 10
-    sig = dict(zip(names, types))
     consts = dict(consts, s_xk=1, s_wk=1, s_cn=1)
-    sig.update({k: "constexpr" for k in consts})
     # what the launcher specializes at the decode shapes: pointers, N, K and row strides % 16
-    div = [names.index(n) for n in ("x_ptr", "w_ptr", "ws_ptr", "c_ptr", "cnt_ptr", "N", "K",
-                                      "s_xm", "s_wn", "s_cm")]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in div})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, "num_stages": stages})
-    return k.asm["ptx"]
+    return compile_ptx(fn, dict(zip(names, types)), consts, ("x_ptr", "w_ptr", "ws_ptr", "c_ptr", "cnt_ptr",
+                       "N", "K", "s_xm", "s_wn", "s_cm"), warps, stages)[0]
 
 common = dict(EVEN_K=True, DIRECT=False, LAST_REDUCES=True, SPLITS=4)
 gemv = ptx(L._gemv_kernel, dict(common, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512), 4, 3)
@@ -146,15 +138,7 @@ print(json.dumps({
 def test_weight_loads_are_16_byte_vectors_in_the_sm90_ptx():
     """A split offset the compiler cannot prove aligned made every weight load 2 bytes wide
     (ld.global.b16): the kernels compiled for sm_90 here, no GPU needed (ptxas ships with triton)."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _PTX_CHILD], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("no ptxas in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = run_ptx_child(_PTX_CHILD)
     assert counts["gemv_v4"] >= 2 and counts["gemv_b16"] == 0, counts
     assert counts["dot_cp16"] >= 8 and counts["dot_b16"] == 0, counts
     # swapab: the weight through 16-byte cp.async, the products on wgmma (not mma.sync)
