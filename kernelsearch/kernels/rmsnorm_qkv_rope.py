@@ -26,9 +26,10 @@ CONFIGS (batch 1; the tiles that rmsnorm_linear and linear_residual measured bes
 sizes, BENCHMARKS.md 10i-10n, with the pair tile):
   G1 8 rows (4 pairs) x 1024, 8 warps, 3 stages, plain loop (rmsnorm_linear's G1);
   G2 8 x 512, 4 warps, plain;
-  P1 8 x 512, 4 warps, PIPE, 4 stages (rmsnorm_linear's P1: the step's norm + QKV entry);
+  P1 8 x 512, 4 warps, PIPE, 4 stages (rmsnorm_linear's P1);
   P3 8 x 256, 4 warps, PIPE, 6 stages (linear_residual's O winner on the H100);
-  P4 16 x 256, 4 warps, PIPE, 5 stages (rmsnorm_linear's P2);
+  P4 16 x 256, 4 warps, PIPE, 5 stages (rmsnorm_linear's P2: the batch-1 norm + QKV entry of
+     both judged tables of run 18, H200 and H100);
   P5 16 x 512, 8 warps, PIPE, 3 stages.
 """
 from __future__ import annotations
