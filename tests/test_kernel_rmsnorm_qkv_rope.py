@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.sm90 import run_ptx_child
+from tests.template_edits import evaluate_edited
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "kernelsearch" / "kernels" / "rmsnorm_qkv_rope.py"
@@ -65,15 +66,9 @@ HACKS = {
 
 @pytest.mark.parametrize("hack", sorted(HACKS))
 def test_the_harness_rejects_the_template_changed_into_a_wrong_kernel(hack, tmp_path):
-    from kernelsearch.harness import evaluate
-
     old, new, guard, words = HACKS[hack]
-    text = TEMPLATE.read_text()
-    assert text.count(old) == 1, hack
-    path = tmp_path / f"hack_{hack}.py"
-    path.write_text(text.replace(old, new))
-    v = evaluate("rmsnorm_qkv_rope", path, params=_p(8, 64, bm=1), device="cpu", time_it=False, fresh=True,
-                 shapes=[{"B": 1, "K": 64, "Hq": 4, "Hkv": 2, "D": 16, "S": 8}])
+    v = evaluate_edited("rmsnorm_qkv_rope", TEMPLATE, old, new, tmp_path, name=hack, params=_p(8, 64, bm=1),
+                        shape={"B": 1, "K": 64, "Hq": 4, "Hkv": 2, "D": 16, "S": 8})
     assert not v.accepted and v.guard == guard, f"{v.guard}: {v.reason}"
     for w in words:
         assert w in v.reason, v.reason

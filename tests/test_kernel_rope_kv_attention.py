@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.template_edits import evaluate_edited
+
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "kernelsearch" / "kernels" / "rope_kv_attention.py"
 
@@ -57,15 +59,9 @@ HACKS = {
 
 @pytest.mark.parametrize("hack", sorted(HACKS))
 def test_the_harness_rejects_the_template_changed_into_a_wrong_kernel(hack, tmp_path):
-    from kernelsearch.harness import evaluate
-
     old, new, guard, words = HACKS[hack]
-    text = TEMPLATE.read_text()
-    assert text.count(old) == 1, hack
-    path = tmp_path / f"hack_{hack}.py"
-    path.write_text(text.replace(old, new))
-    v = evaluate("rope_kv_attention", path, params=_p(16, 4, "last"), device="cpu", time_it=False,
-                 fresh=True, shapes=[{"B": 2, "Hq": 4, "Hkv": 2, "D": 16, "S": 20}])
+    v = evaluate_edited("rope_kv_attention", TEMPLATE, old, new, tmp_path, name=hack, params=_p(16, 4, "last"),
+                        shape={"B": 2, "Hq": 4, "Hkv": 2, "D": 16, "S": 20})
     assert not v.accepted and v.guard == guard, f"{v.guard}: {v.reason}"
     for w in words:
         assert w in v.reason, v.reason
