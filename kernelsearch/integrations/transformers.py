@@ -412,11 +412,12 @@ class HwtuneAttention(nn.Module):
         cumulative_length, advanced as StaticLayer.update advances it), then the decode attention
         (hwtune::decode_attention where routed, else the model's own, over the cache that now
         holds the token) -> the attention output [B, 1, Hq D]; None where `tuned` does not route
-        the shape or the layer is not one the kernel writes (nothing done then). Not with a q|k|v
-        bias or q_norm / k_norm (they sit between the projection and RoPE)."""
+        the shape or the layer is not one the kernel writes (nothing done then). `tuned` is
+        HwtuneDecoderLayer's, empty for a q|k|v bias (none can be added between the projection
+        and RoPE); q_norm / k_norm leave no layer to write (`_static_kv_layer`)."""
         bsz, d, hq = hidden_states.shape[0], self.head_dim, self.num_heads
         cos, sin = position_embeddings
-        if hidden_states.shape[1] != 1 or self.qkv_bias is not None or self.q_norm is not None:
+        if hidden_states.shape[1] != 1:
             return None
         layer = self._static_kv_layer(cache, bsz, hidden_states.dtype, hidden_states.device, cos, cache_position)
         if layer is None or not _uses(tuned, (bsz, layer.keys.shape[2])):
