@@ -8,7 +8,8 @@ already in the ledger. Non-finite times are stored as NULL and read back as inf.
 
 Table `searches`, one row per (kernel, dtype, shape) of a search that ran to its end (its
 winners merged into the dispatch table): attempts alone do not say that a shape was searched,
-since a search killed half-way leaves them too.
+since a search killed half-way leaves them too. `kept` says whether that search kept a kernel
+there (1) or stock won (0); rows written before the column existed hold NULL (not known).
 """
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ CREATE TABLE IF NOT EXISTS searches (
     source_hash TEXT NOT NULL,
     fingerprint TEXT NOT NULL,
     code_version TEXT NOT NULL,
-    finished_at REAL NOT NULL
+    finished_at REAL NOT NULL,
+    kept INTEGER
 );
 """
 
@@ -116,6 +118,15 @@ class Ledger:
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(searches)")}
+        if "kept" not in columns:   # a ledger from before the column: its rows stay NULL
+            try:
+                with self.db:
+                    self.db.execute("ALTER TABLE searches ADD COLUMN kept INTEGER")
+            except sqlite3.OperationalError:   # another process added it first
+                columns = {row[1] for row in self.db.execute("PRAGMA table_info(searches)")}
+                if "kept" not in columns:
+                    raise
 
     def close(self) -> None:
         self.db.close()
@@ -148,23 +159,36 @@ class Ledger:
                 values)
 
     def record_search(self, *, run_id, kernel, shapes: list[tuple[str, dict]], strategy, budget,
-                      source_hash, fingerprint, code_version) -> None:
-        """A search finished on `shapes` ((dtype, shape) pairs): one row each, one transaction."""
+                      source_hash, fingerprint, code_version, kept: list[bool] | None = None) -> None:
+        """A search finished on `shapes` ((dtype, shape) pairs): one row each, one transaction.
+        `kept[i]`: whether it kept a kernel at shapes[i] (None: not known, stored as NULL)."""
         now = time.time()
+        flags = [None] * len(shapes) if kept is None else [int(bool(k)) for k in kept]
+        if len(flags) != len(shapes):
+            raise ValueError(f"record_search: {len(flags)} kept flag(s) for {len(shapes)} shape(s)")
         with self.db:
             self.db.executemany(
                 "INSERT INTO searches (run_id, kernel, dtype, shape, strategy, budget, source_hash, "
-                "fingerprint, code_version, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "fingerprint, code_version, finished_at, kept) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [(run_id, kernel, dtype, canonical({k: v for k, v in shape.items() if k != "dtype"}),
-                  strategy, int(budget), source_hash, fingerprint, code_version, now)
-                 for dtype, shape in shapes])
+                  strategy, int(budget), source_hash, fingerprint, code_version, now, flag)
+                 for (dtype, shape), flag in zip(shapes, flags)])
 
     def searched(self, *, fingerprint, source_hashes: dict[str, str]) -> set[tuple[str, str, str]]:
-        """{(kernel, dtype, canonical shape)} of searches that finished on this fingerprint with
-        the kernel's source at `source_hashes[kernel]` (kernels not named there: none)."""
-        rows = self.db.execute("SELECT DISTINCT kernel, dtype, shape, source_hash FROM searches "
-                               "WHERE fingerprint=?", (fingerprint,))
-        return {(k, d, shape) for k, d, shape, h in rows if source_hashes.get(k) == h}
+        """{(kernel, dtype, canonical shape)} whose latest finished search on this fingerprint,
+        with the kernel's source at `source_hashes[kernel]` (kernels not named there: none),
+        kept nothing: stock won there, so searching again would only repeat that answer.
+        A shape where the search kept a kernel is not in it: its winner lives in the dispatch
+        table, and a table that lost it (re-seeded, deleted) must get it back, which a search
+        resumed from this ledger does without measuring again. Rows of unknown outcome (NULL,
+        from before the column) are not in it either."""
+        latest: dict[tuple[str, str, str], tuple[str, int | None]] = {}
+        for k, d, shape, h, kept in self.db.execute(
+                "SELECT kernel, dtype, shape, source_hash, kept FROM searches WHERE fingerprint=? "
+                "ORDER BY id", (fingerprint,)):
+            if source_hashes.get(k) == h:
+                latest[(k, d, shape)] = kept
+        return {key for key, kept in latest.items() if kept == 0}
 
     def lookup(self, *, kernel, dtype, shape, source_hash, params, fingerprint, code_version) -> dict | None:
         """The latest attempt with this identity, or None (what --resume skips)."""

@@ -470,8 +470,10 @@ def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device:
         written = write_dispatch(out, kernel, fp, fp_id, written_reports, device)
         # only now is each shape searched: a search killed before this line leaves attempts
         # in the ledger but no record here, and `ensure_table` searches those shapes again
+        finished_reports = [r for r in reports if _shape_key(r.shape) in done]
         ledger.record_search(run_id=loop.run_id, kernel=kernel,
-                             shapes=[(r.dtype, r.shape) for r in reports if _shape_key(r.shape) in done],
+                             shapes=[(r.dtype, r.shape) for r in finished_reports],
+                             kept=[r.kept for r in finished_reports],
                              strategy=strategy, budget=budget, source_hash=make({}).source_hash,
                              fingerprint=fp_id, code_version=loop.code_version)
     finally:

@@ -755,9 +755,54 @@ def test_a_search_of_an_older_template_does_not_cover_its_shapes(tmp_path):
         for kernel, digest in (("rmsnorm", "0" * 16), ("swiglu", file_hash(template_path("swiglu")))):
             ledger.record_search(run_id="r", kernel=kernel, shapes=[("float32", {"M": 1, "N": 64})],
                                  strategy="grid", budget=2, source_hash=digest, fingerprint=fp,
-                                 code_version="ks-x")
+                                 code_version="ks-x", kept=[False])
     assert _searched(tmp_path, fp, ["rmsnorm", "swiglu"]) == {("swiglu", "float32", '{"M":1,"N":64}')}
     assert _searched(tmp_path, "another-fingerprint", ["rmsnorm", "swiglu"]) == set()
+
+
+def test_only_a_search_where_stock_won_covers_its_shape(tmp_path):
+    """A finished search that kept a kernel covers its shape only through the table's entry: a
+    table re-seeded without it must not read "stock won" there. The latest search decides, and
+    a row of unknown outcome (a ledger from before `kept`) covers nothing."""
+    import sqlite3
+
+    from daemon.bench.autotable import _searched
+    from kernelsearch.fingerprint import collect, fingerprint_id
+    from kernelsearch.kernels import template_path
+    from kernelsearch.ledger import Ledger, file_hash
+
+    fp, digest = fingerprint_id(collect("cpu")), file_hash(template_path("rmsnorm"))
+    shapes = [("float32", {"M": m, "N": 64}) for m in (1, 2, 3, 4)]
+    key = lambda m: ("rmsnorm", "float32", f'{{"M":{m},"N":64}}')   # noqa: E731
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        common = dict(run_id="r", kernel="rmsnorm", strategy="grid", budget=2, source_hash=digest,
+                      fingerprint=fp, code_version="ks-x")
+        ledger.record_search(shapes=shapes[:3], kept=[False, True, False], **common)
+        ledger.record_search(shapes=[shapes[2]], kept=[True], **common)   # M=3: kept the second time
+        ledger.record_search(shapes=[shapes[3]], **common)                # M=4: outcome not known
+        try:
+            ledger.record_search(shapes=shapes[:2], kept=[True], **common)
+        except ValueError as exc:
+            assert "1 kept flag(s) for 2 shape(s)" in str(exc)
+        else:
+            raise AssertionError("kept flags not matching the shapes were stored")
+    assert _searched(tmp_path, fp, ["rmsnorm"]) == {key(1)}
+
+    # a ledger written before the column: opening it adds the column, its old rows cover nothing
+    old = tmp_path / "old"
+    old.mkdir()
+    with sqlite3.connect(old / "ledger.sqlite") as db:
+        db.execute("CREATE TABLE searches (id INTEGER PRIMARY KEY, run_id TEXT NOT NULL, kernel TEXT NOT NULL, "
+                   "dtype TEXT NOT NULL, shape TEXT NOT NULL, strategy TEXT NOT NULL, budget INTEGER NOT NULL, "
+                   "source_hash TEXT NOT NULL, fingerprint TEXT NOT NULL, code_version TEXT NOT NULL, "
+                   "finished_at REAL NOT NULL)")
+        db.execute("INSERT INTO searches (run_id, kernel, dtype, shape, strategy, budget, source_hash, "
+                   "fingerprint, code_version, finished_at) VALUES ('r', 'rmsnorm', 'float32', "
+                   "'{\"M\":1,\"N\":64}', 'grid', 2, ?, ?, 'ks-x', 0)", (digest, fp))
+    assert _searched(old, fp, ["rmsnorm"]) == set()
+    with Ledger(old / "ledger.sqlite") as ledger:
+        ledger.record_search(shapes=[shapes[0]], kept=[False], **common)
+    assert _searched(old, fp, ["rmsnorm"]) == {key(1)}
 
 
 def test_a_tuned_step_makes_no_rotation_matrices_nor_mask_that_no_layer_reads():

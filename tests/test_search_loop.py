@@ -188,6 +188,33 @@ def test_a_time_limit_stops_new_evaluations_and_writes_only_winners_of_shapes_cu
         assert ledger.db.execute("SELECT COUNT(*) FROM searches").fetchone()[0] == 2
 
 
+def test_a_finished_search_records_per_shape_whether_it_kept_and_a_lost_winner_comes_back(tmp_path):
+    """`searches.kept` holds each shape's outcome; only the stock-won shape counts as searched,
+    and a table that lost the kept entry gets it back from a resumed search without a new job."""
+    from kernelsearch.kernels import template_path
+    from kernelsearch.ledger import file_hash
+
+    out = tmp_path / "dispatch.json"
+    first = search("rmsnorm", state_dir=tmp_path, strategy="grid", budget=6, device="cpu",
+                   dtype="bfloat16", shapes=[FAST, CLOSE], executor=ScriptedExecutor(),
+                   ceilings=CEILINGS, dispatch_path=out)
+    assert [r.kept for r in first.shapes] == [True, False]
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        rows = ledger.db.execute("SELECT shape, kept FROM searches ORDER BY id").fetchall()
+        covered = ledger.searched(fingerprint=first.fingerprint_id,
+                                  source_hashes={"rmsnorm": file_hash(template_path("rmsnorm"))})
+    assert [(json.loads(shape), kept) for shape, kept in rows] == [(FAST, 1), (CLOSE, 0)]
+    assert covered == {("rmsnorm", "bfloat16", json.dumps(CLOSE, sort_keys=True, separators=(",", ":")))}
+    kept_params = first.shapes[0].best["params"]
+    out.unlink()   # the table lost its entries (re-seeded without them)
+    again = ScriptedExecutor()
+    search("rmsnorm", state_dir=tmp_path, strategy="grid", budget=6, device="cpu", dtype="bfloat16",
+           shapes=[FAST], executor=again, ceilings=CEILINGS, dispatch_path=out, resume=True)
+    assert again.jobs == []
+    entries = json.loads(out.read_text())["entries"]
+    assert [(e["shape"], e["params"]) for e in entries] == [(FAST, kept_params)]
+
+
 def test_a_shape_finished_before_the_time_limit_counts_as_searched(tmp_path, monkeypatch):
     import kernelsearch.search as ks
 

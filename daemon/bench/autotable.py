@@ -7,10 +7,12 @@ runs `kernelsearch.search.search` (the only judge: one keep rule, one timer) on 
 as `hwtune search` does; then it loads the result.
 
 Covered: the table has an entry for the shape (a tuned kernel won there), or the ledger in the
-state dir records a search of that (kernel, dtype, shape) that ran to its end on this device
-fingerprint with the template as it is now (stock won, or every candidate failed): searching
-again would only repeat that answer. A search that was killed, or one of an older template, does
-not cover its shapes; they are searched again, resuming the attempts the ledger holds.
+state dir records that the latest search of that (kernel, dtype, shape) ran to its end on this
+device fingerprint with the template as it is now and kept nothing (stock won, or every candidate
+failed): searching again would only repeat that answer. A search that was killed, one of an older
+template, or one that kept a kernel the table no longer has (a table re-seeded or deleted) does
+not cover its shapes; they are searched again, resuming the attempts the ledger holds (a kept
+winner comes back into the table without being measured again).
 A table given explicitly (`table_path` that exists) is used as it is: it is not searched into.
 """
 from __future__ import annotations
@@ -48,10 +50,11 @@ def _load(path):
 
 
 def _searched(state_dir, fingerprint_id: str, kernels) -> set:
-    """{(kernel, dtype, canonical shape)} whose search ran to its end on this fingerprint with
-    the kernel's built-in template as it is now. A search killed half-way (a timeout, Ctrl-C)
-    leaves ledger attempts but no such record, and a template edited since makes the old
-    answer stale: both are searched again (resuming the attempts the ledger already has)."""
+    """{(kernel, dtype, canonical shape)} whose latest search ran to its end on this fingerprint
+    with the kernel's built-in template as it is now and kept nothing (stock won). A search
+    killed half-way (a timeout, Ctrl-C) leaves ledger attempts but no such record, a template
+    edited since makes the old answer stale, and a kept winner belongs in the table: all three
+    are searched again where the table lacks them (resuming the attempts the ledger has)."""
     path = Path(state_dir) / "ledger.sqlite"
     if not path.exists():
         return set()
