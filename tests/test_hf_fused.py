@@ -191,6 +191,32 @@ def test_fused_decode_step_compiles_with_fullgraph_and_matches(name):
     torch._dynamo.reset()
 
 
+def test_the_fused_steps_attention_lengths_come_from_the_position_not_a_reduction_over_the_mask():
+    """At a one-token step through rms_norm_qkv_rope, decode_attention's lengths are the position
+    + 1, made beside the step's rows: no sum over the mask's slots a layer (on the H200 that was a
+    kernel a layer in the compiled graph). Only the layer that guards padding reads the mask."""
+    model = tiny_model("Llama")
+    want = run_both(model)
+    patch(model, dispatch.DispatchTable.empty(), stock_through_ops=True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")])
+        return gm.forward
+
+    torch._dynamo.reset()
+    got = run_both(model, step_fn=torch.compile(model.forward, fullgraph=True, backend=backend))
+    torch._dynamo.reset()
+    assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
+    step = graphs[-1]
+    ops = [i for i, t in enumerate(step) if t == "hwtune.rms_norm_qkv_rope"]
+    assert len(ops) == model.config.num_hidden_layers == 2
+    layers = [step[a:b] for a, b in zip(ops, ops[1:] + [len(step)])]
+    assert all("hwtune.decode_attention" in layer for layer in layers)
+    assert "sum" not in step                                   # no layer sums the mask
+    assert ("all" in step[:ops[1]]) and "all" not in layers[1]  # only the guarding first layer checks it
+
+
 def test_patch_registers_every_hwtune_op_with_inductor_before_a_compile_reaches_it(monkeypatch):
     """Inductor's implicit fallback for an op it has no lowering for logs the op's IR arguments,
     and torch 2.11 builds that text eagerly (minutes for the patched Llama step on the H200):

@@ -424,13 +424,22 @@ class HwtuneAttention(nn.Module):
             return None
         keys, values = layer.keys, layer.values
         positions, cos, sin = _step_rows(layer, cos, sin, bsz, d)
+        # the attention's lengths, from the position as the rows above (inductor makes them in the
+        # same small kernel), not from the mask: a sum over the mask's S slots was a kernel a layer
+        seq_lens = _rows_of((layer.cumulative_length.reshape(1) + 1).to(torch.int32), bsz)
+        attend = _uses(self._decode_shapes, (bsz, keys.shape[2])) and self._static_layer(cache, keys, attention_mask)
+        # before the add_ below: at batch 1 `positions` is a view of cumulative_length
+        ok = self._mask_agrees(attention_mask, positions, keys.shape[2]) if attend else None
         q = torch.ops.hwtune.rms_norm_qkv_rope(hidden_states.reshape(bsz, -1), norm.weight, self.qkv_weight,
                                                norm.variance_epsilon, cos, sin, positions, keys, values,
                                                self.table)
         layer.cumulative_length.add_(1)
         out = None
-        if _uses(self._decode_shapes, (bsz, keys.shape[2])) and self._static_layer(cache, keys, attention_mask):
-            out = self._decode(q, keys, values, attention_mask, cache, cache_position)
+        if attend:
+            if ok is None or torch.compiler.is_compiling() or bool(ok.all()):
+                out = torch.ops.hwtune.decode_attention(q, keys, values, seq_lens, float(self.scaling), self.table)
+                if ok is not None and torch.compiler.is_compiling():
+                    out = torch.where(ok[:, None, None], out, float("nan"))
         if out is None:   # a padded row (eager), or no decode kernel: the model's own, on the written cache
             out = self._model_attention(q.view(bsz, 1, hq, d).transpose(1, 2), keys, values, attention_mask,
                                         kwargs)
@@ -446,21 +455,28 @@ class HwtuneAttention(nn.Module):
         bsz, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         keys, values = layer.keys, layer.values
         positions, cos, sin = _step_rows(layer, cos, sin, bsz, d)
-        compiling = torch.compiler.is_compiling()
-        ok = None
-        if mask is not None and (self._guards_padding or not compiling):
-            row = mask[:, 0, -1, :]
-            valid = row if row.dtype == torch.bool else row == 0
-            want = torch.arange(keys.shape[2], device=valid.device)[None, :] <= positions[:, None]
-            ok = (valid == want).all(dim=-1)
-            if not compiling and not bool(ok.all()):
-                return None
+        ok = self._mask_agrees(mask, positions, keys.shape[2])
+        if ok is not None and not torch.compiler.is_compiling() and not bool(ok.all()):
+            return None
         out = torch.ops.hwtune.rope_kv_attention(qkv.reshape(bsz, hq + 2 * hkv, d), cos, sin, positions,
                                                  keys, values, float(self.scaling), self.table)
         layer.cumulative_length.add_(1)
-        if ok is not None and compiling:
+        if ok is not None and torch.compiler.is_compiling():
             out = torch.where(ok[:, None, None], out, float("nan"))
         return out
+
+    def _mask_agrees(self, mask, positions, s_max: int):
+        """[B] bool: each row's mask lets the new token see exactly slots 0..positions[b] (what
+        the cache-writing kernels attend to), or None where it is not checked: no mask, or under
+        torch.compile in a layer that does not guard padding (a check there would be a reduction
+        over the mask's slots a layer). Eagerly a False row sends the step down the model's own
+        path; compiled (no host sync) the guarding layer makes that row NaN."""
+        if mask is None or not (self._guards_padding or not torch.compiler.is_compiling()):
+            return None
+        row = mask[:, 0, -1, :]
+        valid = row if row.dtype == torch.bool else row == 0
+        want = torch.arange(s_max, device=valid.device)[None, :] <= positions[:, None]
+        return (valid == want).all(dim=-1)
 
     def _static_layer(self, cache, keys, mask) -> bool:
         """A one-token step the decode kernel handles: a StaticCache full-attention layer and a
