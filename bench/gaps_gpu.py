@@ -2,8 +2,9 @@
 
     python3 bench/gaps_gpu.py --table DISPATCH.json --shapes 1x2048,32x2048 --out DIR
 
-For eager in a CUDA graph (stock), the previous tuned step (tuned-unfused), the fused tuned step
-launched plainly (tuned-nopdl) and with programmatic dependent launch (tuned), each at each
+For eager in a CUDA graph (stock, with the faster stock attention, as `hwtune bench` picks it
+for every variant), the previous tuned step (tuned-unfused), the fused tuned step launched
+plainly (tuned-nopdl) and with programmatic dependent launch (tuned), each at each
 (batch, context), without the LM head (the step the no-head floor counts):
 daemon.bench.gaps.profile_and_breakdown -- the step captured in a CUDA graph, its time by CUDA events (median of back-to-back replays), its kernels by torch.profiler over graph replays --
 against the bandwidth floor of the same step at the copy bandwidth measured here. Writes
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     from daemon.bench import gaps
     from daemon.bench.model import PRESETS, Model
     from daemon.bench.ops import DTYPE_NAMES, StockOps, TunedOps, cache_len, kernels_per_layer, rel_l2
-    from daemon.bench.run import decode_floor, measure_copy_bandwidth_gbs
+    from daemon.bench.run import decode_floor, fastest_stock_attention, measure_copy_bandwidth_gbs
     from kernelsearch.dispatch import DispatchTable
     from kernelsearch.harness.run_plan import pdl, pdl_enabled
 
@@ -95,10 +96,18 @@ def main(argv=None) -> int:
         tokens = torch.randint(0, cfg.vocab, (batch,), device=dev, generator=g)
         positions = torch.full((batch,), ctx, dtype=torch.int64, device=dev)
         floor = decode_floor(cfg, batch, ctx, 2, copy_gbs)
-        stock = StockOps()
+        # the stock attention `hwtune bench` gives every variant: the faster one here (on Hopper
+        # bmm at batch 1: sdpa there made "graphed" ~20% slower than the bench's row)
+        attention = "sdpa"
+        if dev == "cuda":
+            attention, times = fastest_stock_attention(model, batch, ctx)
+            md.append(f"stock attention at {batch}x{ctx}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in
+                                                                       times.items()) + f" -> {attention}\n")
+        stock = StockOps(attention)
         ref = model.decode_step(tokens, positions, stock, head=False).float()
-        for name, ops in (("graphed", stock), ("tuned-unfused", TunedOps(table, fused=False)),
-                          ("tuned-nopdl", TunedOps(table)), ("tuned", TunedOps(table))):
+        for name, ops in (("graphed", stock), ("tuned-unfused", TunedOps(table, attention=attention, fused=False)),
+                          ("tuned-nopdl", TunedOps(table, attention=attention)),
+                          ("tuned", TunedOps(table, attention=attention))):
             got = model.decode_step(tokens, positions, ops, head=False).float()   # routes decided here
             err = rel_l2(got, ref)
             fn = lambda ops=ops: model.decode_step(tokens, positions, ops, head=False)
