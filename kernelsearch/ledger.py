@@ -182,7 +182,7 @@ class Ledger:
         table, and a table that lost it (re-seeded, deleted) must get it back, which a search
         resumed from this ledger does without measuring again. Rows of unknown outcome (NULL,
         from before the column) are not in it either."""
-        latest: dict[tuple[str, str, str], tuple[str, int | None]] = {}
+        latest: dict[tuple[str, str, str], int | None] = {}
         for k, d, shape, h, kept in self.db.execute(
                 "SELECT kernel, dtype, shape, source_hash, kept FROM searches WHERE fingerprint=? "
                 "ORDER BY id", (fingerprint,)):

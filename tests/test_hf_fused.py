@@ -193,8 +193,8 @@ def test_fused_decode_step_compiles_with_fullgraph_and_matches(name):
 
 def test_the_fused_steps_attention_lengths_come_from_the_position_not_a_reduction_over_the_mask():
     """At a one-token step through rms_norm_qkv_rope, decode_attention's lengths are the position
-    + 1, made beside the step's rows: no sum over the mask's slots a layer (on the H200 that was a
-    kernel a layer in the compiled graph). Only the layer that guards padding reads the mask."""
+    + 1, made beside the step's rows: no sum over the mask's slots in every layer of the compiled
+    graph (a reduction a layer). Only the layer that guards padding reads the mask."""
     model = tiny_model("Llama")
     want = run_both(model)
     patch(model, dispatch.DispatchTable.empty(), stock_through_ops=True)

@@ -424,8 +424,8 @@ class HwtuneAttention(nn.Module):
             return None
         keys, values = layer.keys, layer.values
         positions, cos, sin = _step_rows(layer, cos, sin, bsz, d)
-        # the attention's lengths, from the position as the rows above (inductor makes them in the
-        # same small kernel), not from the mask: a sum over the mask's S slots was a kernel a layer
+        # the attention's lengths, from the position as the rows above (pointwise, beside them in
+        # the compiled graph), not from the mask: a sum over the mask's S slots was a reduction a layer
         seq_lens = _rows_of((layer.cumulative_length.reshape(1) + 1).to(torch.int32), bsz)
         attend = _uses(self._decode_shapes, (bsz, keys.shape[2])) and self._static_layer(cache, keys, attention_mask)
         # before the add_ below: at batch 1 `positions` is a view of cumulative_length
