@@ -424,12 +424,12 @@ class HwtuneAttention(nn.Module):
             return None
         keys, values = layer.keys, layer.values
         positions, cos, sin = _step_rows(layer, cos, sin, bsz, d)
-        # the attention's lengths, from the position as the rows above (pointwise, beside them in
-        # the compiled graph), not from the mask: a sum over the mask's S slots was a reduction a layer
-        seq_lens = _rows_of((layer.cumulative_length.reshape(1) + 1).to(torch.int32), bsz)
         attend = _uses(self._decode_shapes, (bsz, keys.shape[2])) and self._static_layer(cache, keys, attention_mask)
-        # before the add_ below: at batch 1 `positions` is a view of cumulative_length
-        ok = self._mask_agrees(attention_mask, positions, keys.shape[2]) if attend else None
+        if attend:   # both before the add_ below: at batch 1 `positions` is a view of cumulative_length
+            # the attention's lengths, from the position as the rows above (pointwise, beside them in
+            # the compiled graph), not from the mask: a sum over its S slots was a reduction a layer
+            seq_lens = _rows_of((layer.cumulative_length.reshape(1) + 1).to(torch.int32), bsz)
+            ok = self._mask_agrees(attention_mask, positions, keys.shape[2])
         q = torch.ops.hwtune.rms_norm_qkv_rope(hidden_states.reshape(bsz, -1), norm.weight, self.qkv_weight,
                                                norm.variance_epsilon, cos, sin, positions, keys, values,
                                                self.table)
