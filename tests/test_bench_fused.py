@@ -361,3 +361,33 @@ def test_the_step_with_every_real_fused_template_gives_stocks_logits_on_the_inte
     per_layer = report["per_layer"]
     assert per_layer["total"] == sum(v for k, v in per_layer.items() if k != "total")
     assert per_layer["total"] < 16  # fewer launches than the stock layer's 16 at batch 2
+
+
+def test_the_fused_steps_lengths_are_one_op_made_before_the_first_fused_projection():
+    """positions + 1 as int32 is one op (the add casts into its output; `.to(int32)` after it was
+    a second launch in the captured step), and at layer 0 it runs before rmsnorm_qkv_rope, so no
+    torch kernel sits between that PDL-launched kernel and the attention after it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):  # int32 results of ops that compute (not allocations, not views)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (isinstance(out, torch.Tensor) and out.dtype == torch.int32 and not func.is_view
+                    and func is not torch.ops.aten.empty_like.default):
+                ops.sequence.append(f"int32 {func}")
+            return out
+
+    model = Model(CFG, device="cpu", dtype=torch.float32)
+    model.allocate_cache(B, S)
+    model.fill_cache_random()
+    tokens, positions = torch.tensor([3, 5]), torch.tensor([CTX, 7])
+    before = model.kv.clone()
+    want = model.decode_step(tokens, positions, StockOps(), head=False)
+    model.kv.copy_(before)
+    ops = RecordingOps(ShapeTable(list(SHAPES)), "test")
+    with Log():
+        got = model.decode_step(tokens, positions, ops, head=False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    made = [s for s in ops.sequence if s.startswith("int32")]
+    assert made == ["int32 aten.add.out"], ops.sequence      # once a step, in one op
+    assert ops.sequence.index(made[0]) < ops.sequence.index("rmsnorm_qkv_rope"), ops.sequence

@@ -241,8 +241,10 @@ class Model:
         b = tokens.shape[0]
         hq, d = c.heads, c.head_dim
         # made at first use (StepTensors): a step whose layers all run the fused attention
-        # kernel reads neither the lengths nor the mask
-        lens = StepTensors(seq_lens=lambda: (positions + 1).to(torch.int32))
+        # kernel reads neither the lengths nor the mask. One kernel: the add casts into its
+        # int32 output (`(positions + 1).to(torch.int32)` is two launches in a captured step)
+        lens = StepTensors(seq_lens=lambda: torch.add(
+            positions, 1, out=torch.empty_like(positions, dtype=torch.int32)))
         rope = ops.rope_context(self, positions)
         mask = StepTensors(mask=lambda: ops.attention_mask(lens["seq_lens"], kv.shape[4], self.dtype))
         stream = self.embedding.index_select(0, tokens)
@@ -251,11 +253,13 @@ class Model:
             k_cache, v_cache = kv[i, 0], kv[i, 1]
             if "cos" in rope and ops.fuses("rmsnorm_qkv_rope", stream, w["attn_norm"], w["w_qkv"], c.eps,
                                            rope["cos"], rope["sin"], positions, k_cache, v_cache):
-                # norm, q|k|v, RoPE and the cache write in one kernel, then the attention
+                # norm, q|k|v, RoPE and the cache write in one kernel, then the attention. The
+                # lengths are made first: no torch kernel between the two (PDL-launched) ones
+                seq_lens = lens["seq_lens"]
                 stream, pending = self._settle(ops, stream, pending), None
                 q = ops.rmsnorm_qkv_rope(stream, w["attn_norm"], w["w_qkv"], c.eps, rope, positions,
                                          k_cache, v_cache, hq)
-                attn = ops.decode_attention(q, k_cache, v_cache, lens["seq_lens"], self.scale, mask)
+                attn = ops.decode_attention(q, k_cache, v_cache, seq_lens, self.scale, mask)
             else:
                 qkv, stream, pending = self._norm_linear(ops, stream, pending, w["attn_norm"], w["w_qkv"])
                 qkv = qkv.view(b, c.qkv_heads, d)
