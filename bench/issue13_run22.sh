@@ -6,6 +6,7 @@
 #   3. R: the built-in rows, given / JS's table (run 21's where JS did not finish), alternating
 #      twice, and the gap breakdown
 #   4. VH again, given / JS's table, where JS changed the table
+# GIVEN, NEW, LEDGER override the card's tables (run 23 on an H100: NEW = run 22's judged table).
 # Later stages run only while the call has time left (DEADLINE_S, default 560 s). Files under $OUT
 # (at most 6): run.log, js-dispatch.json, judges.json, rows.json, gaps.md, (harness-gpu.txt).
 set -u -o pipefail
@@ -21,6 +22,7 @@ case "$name" in
           ledger=bench/results/h100-issue13/run20-qr/ledger.sqlite ;;
   *) echo "no table for $name" > "$OUT/run.log"; exit 3 ;;
 esac
+given=${GIVEN:-$given}; new=${NEW:-$new}; ledger=${LEDGER:-$ledger}
 rm -rf /tmp/hwtune-state /tmp/r22; mkdir -p /tmp/r22
 stage() {  # stage NAME ARGS...: bench/issue13_gpu.sh ARGS with OUT=/tmp/r22/NAME, its log onto run.log
   local o=/tmp/r22/$1; shift; mkdir -p "$o"
