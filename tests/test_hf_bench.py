@@ -321,3 +321,35 @@ def test_a_long_first_compile_says_it_is_still_running_and_stops_saying_it_after
             raise ValueError("boom")
     time.sleep(0.15)
     assert "still running" not in capsys.readouterr().err
+
+
+def test_judge_in_step_judges_the_entries_the_patched_model_routes_on_its_own_cache(tmp_path, tiny_table):
+    """--model hf-llama --judge-in-step: the step judge runs before the patched rows, in the built-in
+    step with this model's dimensions on a cache of exactly the context (the StaticCache the patched
+    model decodes on), so the S-keyed entries it judges are the model's own (S = 40 here; the
+    built-in bench's cache for a context of 40 is 64 slots). Interpreter times: nothing written."""
+    import shutil
+
+    table = tmp_path / "table.json"
+    shutil.copy(tiny_table[0], table)
+    before = table.read_text()
+    proc = hwtune("--state-dir", str(tmp_path / "state"), "bench", "--model", "hf-llama", "--device", "cpu",
+                  "--layers", "1", "--shapes", "2x40", "--steps", "20", "--warmup", "1", "--check", "2",
+                  "--variants", "hf-compiled,hf-hwtune", "--table", str(table), "--judge-in-step", "--json",
+                  timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    judged = doc["hf"]["step_judge"]
+    assert list(judged) == ["2x40 (cache 40)"], judged
+    record = judged["2x40 (cache 40)"]
+    assert record["status"] == "ok" and record["changes_applied"] is False, record
+    kernels = {d["kernel"]: d["shape"] for d in record["decisions"]}
+    from kernelsearch.integrations.transformers import decode_shapes
+    from daemon.bench.hf import llama3_8b_config
+    want = decode_shapes(llama3_8b_config(layers=1, tiny=True), [2], [40])
+    assert all(shape in want[k] for k, shape in kernels.items()), (kernels, want)
+    s_keyed = {k: s for k, s in kernels.items() if "S" in s}
+    assert s_keyed and all(s["S"] == 40 for s in s_keyed.values()), kernels   # the model's cache, not 64
+    assert record["written"].startswith("not written: the judge's times are") and table.read_text() == before
+    assert "hf-llama: step judge at the model's cache shapes" in proc.stderr
+    assert [r["status"] for r in doc["decode"]] == ["ok", "ok"]

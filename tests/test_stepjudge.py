@@ -344,8 +344,10 @@ def test_the_bench_table_names_what_the_judge_changed_and_the_steps_gain():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "hf-llama", "--judge-in-step"], "judges the built-in model's step"),
     (["--variants", "eager,graphed", "--judge-in-step"], "has no tuned"),
+    (["--model", "hf-llama", "--variants", "hf-eager,hf-compiled", "--judge-in-step"], "has no hf-hwtune"),
+    (["--model", "builtin,hf-llama", "--variants", "graphed,hf-eager", "--judge-in-step"],
+     "has no tuned or hf-hwtune"),
     (["--command", "true", "--judge-in-step"], "not with --command"),
     (["--judge-top", "5"], "--judge-top is for --judge-in-step"),
     (["--judge-in-step", "--judge-top", "0"], "--judge-top 0: 1 to 32"),

@@ -79,6 +79,8 @@ class HfOptions:
     state_dir: str | None = None
     seed: int = 0
     search_evals: int | None = None      # ensure_table's evals per kernel (None: its default)
+    judge_in_step: bool = False          # the step judge at this model's cache shapes first
+    judge_top: int | None = None         # its alternatives an entry (None: stepjudge.TOP)
 
 
 def check_model_path(path) -> str | None:
@@ -236,6 +238,29 @@ def resolve_table(opts: HfOptions, config, left_s: float):
     except Exception as exc:   # a failed search is a note: the patched model runs stock
         return None, f"no table: the search failed: {type(exc).__name__}: {str(exc)[:200]}", details
     return table, note, details
+
+
+# ---- the step judge at the model's cache shapes ---------------------------------------------
+JUDGE_SHARE = 0.5   # of the budget left when the table is resolved: the rows still run
+
+
+def judge_table(opts: HfOptions, fcfg, table, note, left_s: float):
+    """-> (table, {shape: record}): kernelsearch.stepjudge at each of opts.shapes, run by the
+    built-in bench on its step with this model's dimensions (fcfg) on a cache of exactly `context`
+    slots: the calls and shapes of the patched model's one-token step on its StaticCache
+    (max_cache_len = context), whose S-keyed entries (rmsnorm_qkv_rope, decode_attention,
+    rope_kv_attention) the built-in bench's own judge (cache_len(ctx) slots) never sees. One
+    judge, one keep rule: the table is judged and written back as `hwtune bench --judge-in-step`
+    does; the patched rows then run it."""
+    from daemon.bench.run import Bench, BenchOptions
+
+    bench = Bench(BenchOptions(device=opts.device, dtype=opts.dtype, shapes=list(opts.shapes),
+                               variants=("tuned",), budget_s=max(0.0, left_s * JUDGE_SHARE),
+                               state_dir=opts.state_dir, seed=opts.seed, judge_in_step=True,
+                               judge_top=opts.judge_top))
+    doc: dict = {}
+    table = bench.judge_at_cache(fcfg, table, note, doc)
+    return table, doc.get("step_judge", {})
 
 
 # ---- one mode -------------------------------------------------------------------------------
@@ -398,6 +423,8 @@ class HfBench:
             section["kernel_table"] = {"path": str(o.table_path) if o.table_path else None,
                                        "loaded": table is not None, "note": note, "search": searched}
             log(f"hf-llama: kernels for {', '.join(v for v in HWTUNE if v in o.variants)}: {note}")
+            if table is not None and o.judge_in_step:
+                table = self._judge(fcfg, table, note, section)
         liger_skip = liger_problem() if "hf-liger" in o.variants else None
         rows = []
         for batch, ctx in o.shapes:
@@ -416,6 +443,18 @@ class HfBench:
                     torch.cuda.empty_cache()
         section["wall_s"] = time.monotonic() - self.t0
         return {"decode": rows, "hf": section}
+
+    def _judge(self, fcfg, table, note, section):
+        """judge_table on this run's table; its records in section["step_judge"]; a judge that
+        fails leaves the table as it was (the rows still run)."""
+        log("hf-llama: step judge at the model's cache shapes (the built-in step with its dimensions, "
+            "a cache of exactly the context)")
+        try:
+            table, section["step_judge"] = judge_table(self.opts, fcfg, table, note, self.left_s())
+        except Exception as exc:
+            section["step_judge"] = {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
+            log(f"hf-llama: step judge failed: {section['step_judge']['status']}")
+        return table
 
     def _shape(self, model, batch, ctx, floor, table, section, liger_skip, patch, unpatch) -> list:
         o = self.opts
@@ -555,6 +594,10 @@ def format_lines(doc: dict) -> list[str]:
             f"{(fmt(r.get('speedup_vs_hf_compiled'), '.2f') + 'x') if r.get('speedup_vs_hf_compiled') else '-':>14s} "
             f"{fmt(r.get('prefill_err_vs_hf_eager'), '.2e'):>11s} {fmt(r.get('decode_err_vs_hf_eager'), '.2e'):>10s} "
             f"{(format(same, '.0%') if same is not None else '-'):>8s}  {r.get('status', '')[:70]}")
+    if hf.get("step_judge"):   # judged before the rows above ran: they ran the judged table
+        from daemon.bench.run import judge_lines
+        st = hf["step_judge"]
+        lines += judge_lines(st if "status" not in st else {"(the model's cache shapes)": st})
     for r in doc.get("decode", []):
         if r.get("model") == MODEL and r.get("speedup_vs_hwtune_unfused"):
             lines.append(f"hwtune fused vs unfused (the previous tuned step) {r['batch']}x{r['ctx']}: "

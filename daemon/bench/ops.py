@@ -213,10 +213,11 @@ def step_calls(cfg, batch: int, s_max: int, fused=frozenset()) -> list[tuple[str
     return first + layer_calls(cfg, batch, s_max, fused) + head
 
 
-def decode_shapes(cfg, shapes, fused: bool = True) -> dict[str, list[dict]]:
+def decode_shapes(cfg, shapes, fused: bool = True, s_max: int | None = None) -> dict[str, list[dict]]:
     """{kernel: [shape dict]} of every call the tuned decode step may make at these
     (batch, context) shapes, fused and unfused (with fused=False: the unfused step's only):
-    what the search must look at for this model (autotable)."""
+    what the search must look at for this model (autotable). s_max: the cache's slots, where
+    not the bench's cache_len(context) (a transformers StaticCache holds exactly its context)."""
     out: dict[str, list[dict]] = {}
     for batch, ctx in shapes:
         # unfused; every fused kernel but qkv_rope (the qkv and attention points it replaces);
@@ -224,7 +225,7 @@ def decode_shapes(cfg, shapes, fused: bool = True) -> dict[str, list[dict]]:
         every = frozenset(FUSION_POINTS)
         variants = [frozenset(), every - {"qkv_rope"}, every] if fused else [frozenset()]
         for points in variants:
-            for _, kernel, shape in step_calls(cfg, batch, cache_len(ctx), points):
+            for _, kernel, shape in step_calls(cfg, batch, s_max or cache_len(ctx), points):
                 if kernel is not None and shape not in out.setdefault(kernel, []):
                     out[kernel].append(dict(shape))
     return out

@@ -461,13 +461,14 @@ class Bench:
                 torch.cuda.empty_cache()
         return table
 
-    def _judge_in_step(self, model, tokens, positions, stock, table, table_note, doc, batch, ctx, ref, tol):
+    def _judge_in_step(self, model, tokens, positions, stock, table, table_note, doc, batch, ctx, ref, tol,
+                       key=None):
         """kernelsearch.stepjudge on this shape's tuned step (PDL as the tuned row launches it):
         -> the table the tuned rows then run, written back to its file (--table's too: a given
         table is not searched into, but --judge-in-step asks for it to be judged)."""
         from kernelsearch import stepjudge
 
-        key = f"{batch}x{ctx}"
+        key = key or f"{batch}x{ctx}"
         section = doc.setdefault("step_judge", {})
         why = None
         if table is None:
@@ -495,7 +496,8 @@ class Bench:
         try:
             probe = TunedOps(table, table_note, attention=stock.attention, fused=True)
             model.decode_step(tokens, positions, probe)   # the calls the step routes to the table
-            calls = [(k, s, dt) for k, shapes in decode_shapes(cfg, [(batch, ctx)], fused=True).items()
+            calls = [(k, s, dt) for k, shapes in decode_shapes(cfg, [(batch, ctx)], fused=True,
+                                                               s_max=model.s_max).items()
                      for s in shapes if probe.runs_tuned(k, s, dt)]
             with pdl(TUNED_VARIANTS["tuned"][1]):
                 result = stepjudge.judge(table, make_step=make_step, calls=calls, device=self.opts.device,
@@ -531,6 +533,44 @@ class Bench:
         section[key] = record
         log(f"step judge {key}: {len(changed)} of {len(result.decisions)} entries changed ({record['written']})")
         return result.table
+
+    def judge_at_cache(self, cfg, table, table_note, doc):
+        """The step judge (kernelsearch.stepjudge) on the built-in step with `cfg`'s dimensions
+        at each of opts.shapes' (batch, ctx) on a cache of exactly ctx slots, the new token in
+        the last: a transformers StaticCache(max_cache_len=ctx), whose S the patched model's
+        rmsnorm_qkv_rope, rope_kv_attention and decode_attention entries are keyed by (the
+        built-in bench's own cache is cache_len(ctx) slots, other entries). The same layer
+        calls at the same shapes as the patched model's one-token step. -> the judged table,
+        written back as the built-in judge writes; each shape's record in doc["step_judge"]."""
+        o = self.opts
+        dtype = DTYPES[o.dtype]
+        torch.manual_seed(o.seed)
+        model = Model(cfg, device=o.device, dtype=dtype, seed=o.seed)
+        tol = 5e-2 if dtype != torch.float32 else 1e-3
+        try:
+            for batch, ctx in o.shapes:
+                key = f"{batch}x{ctx} (cache {ctx})"
+                try:
+                    model.allocate_cache(batch, ctx)
+                    model.fill_cache_random(seed=o.seed + 1)
+                    g = torch.Generator(device=o.device)
+                    g.manual_seed(o.seed + 2)
+                    tokens = torch.randint(1, cfg.vocab, (batch,), generator=g, device=o.device)
+                    positions = torch.full((batch,), ctx - 1, device=o.device, dtype=torch.int64)
+                    stock = StockOps(self._choose_stock_attention(model, batch, ctx - 1))
+                    ref = model.decode_step(tokens, positions, stock).float()
+                    table = self._judge_in_step(model, tokens, positions, stock, table, table_note, doc,
+                                                batch, ctx, ref, tol, key=key)
+                except Exception as exc:   # e.g. out of memory at this shape: the others are judged
+                    doc.setdefault("step_judge", {})[key] = {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
+                    log(f"step judge {key}: {doc['step_judge'][key]['status']}")
+                finally:
+                    model.kv = None
+        finally:
+            del model
+            if self.cuda:
+                torch.cuda.empty_cache()
+        return table
 
     def _make_step(self, variant, model, tokens, positions, stock, table, table_note, doc, batch, ctx,
                    ref, tol):
@@ -699,6 +739,25 @@ class Bench:
             doc["prefill"].append(row)
 
 
+def judge_lines(section: dict | None) -> list[str]:
+    """The step judge's records ({shape: record}), for the terminal table."""
+    lines = []
+    for key, j in (section or {}).items():
+        if j.get("status") != "ok":
+            lines.append(f"step judge {key}: {j.get('status')}")
+            continue
+        changed = [d for d in j["decisions"] if d["outcome"] in ("replaced", "removed")]
+        summary = j.get("summary") or {}
+        gain = (f"; the step as given {summary['as_given']['median_ms']:.4f} ms, as judged "
+                f"{summary['as_judged']['median_ms']:.4f} ms" if summary.get("as_given") else "")
+        lines.append(f"step judge {key}: {len(changed)} of {len(j['decisions'])} entries changed{gain} "
+                     f"({j.get('written')})")
+        for d in changed:
+            shape = " ".join(f"{k}={v}" for k, v in d["shape"].items())
+            lines.append(f"  {d['kernel']} {shape}: {d['outcome']} {d['before_params']} -> {d['after_params']}")
+    return lines
+
+
 def format_table(doc: dict) -> str:
     hf_rows = [r for r in doc["decode"] if r.get("model") == "hf-llama"]   # their own table, below
     builtin = [r for r in doc["decode"] if r.get("model") != "hf-llama"]
@@ -732,19 +791,7 @@ def format_table(doc: dict) -> str:
                          f"{r.get('kernels_per_layer_stock', {}).get('total', '?')}):")
             for op, impl in r["kernels"].items():
                 lines.append(f"  {op:23s} {str(impl)[:150]}")
-    for key, j in (doc.get("step_judge") or {}).items():
-        if j.get("status") != "ok":
-            lines.append(f"step judge {key}: {j.get('status')}")
-            continue
-        changed = [d for d in j["decisions"] if d["outcome"] in ("replaced", "removed")]
-        summary = j.get("summary") or {}
-        gain = (f"; the step as given {summary['as_given']['median_ms']:.4f} ms, as judged "
-                f"{summary['as_judged']['median_ms']:.4f} ms" if summary.get("as_given") else "")
-        lines.append(f"step judge {key}: {len(changed)} of {len(j['decisions'])} entries changed{gain} "
-                     f"({j.get('written')})")
-        for d in changed:
-            shape = " ".join(f"{k}={v}" for k, v in d["shape"].items())
-            lines.append(f"  {d['kernel']} {shape}: {d['outcome']} {d['before_params']} -> {d['after_params']}")
+    lines += judge_lines(doc.get("step_judge"))
     for r in doc.get("prefill", []):
         if r.get("status") == "ok":
             tj = f", {r['tokens_per_j']:.1f} tok/J" if r.get("tokens_per_j") else ""

@@ -48,7 +48,9 @@ def add_bench_arguments(p) -> None:
                    help="before the tuned rows of each decode shape, re-time the table's entries "
                         "inside this step against their leading configs in the ledger and stock "
                         "(kernelsearch.stepjudge; only CUDA timings change the table) and keep the fastest; "
-                        "the judged table is written back to its file (--table's too)")
+                        "the judged table is written back to its file (--table's too). With --model "
+                        "hf-llama: judged in the built-in step with the model's dimensions on a cache of "
+                        "exactly the context (the StaticCache the patched model decodes on)")
     m.add_argument("--judge-top", type=int, default=None, metavar="N",
                    help="--judge-in-step: the ledger's N leading configs of each entry are tried "
                         "(default 3; each costs about a second of the step timed on a GPU)")
@@ -118,11 +120,12 @@ def _models(args) -> tuple:
             raise UsageError(problem)
     if args.check < 1:
         raise UsageError(f"--check {args.check}: at least 1 compared step")
-    if getattr(args, "judge_in_step", False):
-        if "builtin" not in models:
-            raise UsageError("--judge-in-step judges the built-in model's step: add builtin to --model")
-        if args.variants is not None and "tuned" not in [v.strip() for v in args.variants.split(",")]:
-            raise UsageError(f"--judge-in-step judges the tuned step: --variants {args.variants} has no tuned")
+    if getattr(args, "judge_in_step", False) and args.variants is not None:
+        names = [v.strip() for v in args.variants.split(",")]
+        from daemon.bench.hf import HWTUNE
+        if not ("builtin" in models and "tuned" in names) and not ("hf-llama" in models and set(HWTUNE) & set(names)):
+            raise UsageError(f"--judge-in-step judges the tuned step: --variants {args.variants} has no "
+                             + " or ".join(["tuned"] * ("builtin" in models) + ["hf-hwtune"] * ("hf-llama" in models)))
     if args.variants is not None:
         names = [v.strip() for v in args.variants.split(",") if v.strip()]
         unknown = sorted(set(names) - set(VARIANTS) - set(EXTRA_VARIANTS) - set(hf.VARIANTS))
@@ -279,7 +282,8 @@ def _measure_hf(args, ctx, reader, copy_bandwidth_gbs) -> dict:
         variants=_variants(args, hf.VARIANTS), steps=args.steps, warmup=args.warmup, check=args.check,
         energy_window_s=args.energy_window_s if cuda else 0.0, budget_s=args.budget_s,
         table_path=args.table, state_dir=str(ctx.state_dir), seed=args.seed,
-        search_evals=args.search_evals)
+        search_evals=args.search_evals, judge_in_step=getattr(args, "judge_in_step", False),
+        judge_top=getattr(args, "judge_top", None))
     out = hf.HfBench(opts, reader=reader, copy_bandwidth_gbs=copy_bandwidth_gbs).run()
     section = out["hf"]
     return {"label": "cuda" if cuda else "cpu", "device": opts.device, "model": section["model"],
