@@ -3,6 +3,7 @@ lm_head), linear_residual (o, down + the residual add) and rmsnorm_gate_up_swigl
 TunedOps routes them, exactly the unfused step everywhere else."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -85,8 +86,9 @@ for _name in ("rmsnorm", "add_rmsnorm", "linear", "silu_mul", "residual_add", "r
     setattr(RecordingOps, _name, _recording(_name))
 
 
-def _step(ops, head=True):
-    """(model, out, kv) of one decode step with `ops`, and (out, kv) of the same with StockOps."""
+def _step(ops, head=True, around=None):
+    """(model, out, kv) of one decode step with `ops` (inside the context manager `around`, if
+    given), and (out, kv) of the same with StockOps."""
     model = Model(CFG, device="cpu", dtype=torch.float32)
     model.allocate_cache(B, S)
     model.fill_cache_random()
@@ -95,7 +97,8 @@ def _step(ops, head=True):
     want = model.decode_step(tokens, positions, StockOps(), head=head)
     kv_want = model.kv.clone()
     model.kv.copy_(before)
-    got = model.decode_step(tokens, positions, ops, head=head)
+    with around or contextlib.nullcontext():
+        got = model.decode_step(tokens, positions, ops, head=head)
     return model, (got, model.kv.clone()), (want, kv_want)
 
 
@@ -377,16 +380,8 @@ def test_the_fused_steps_lengths_are_one_op_made_before_the_first_fused_projecti
                 ops.sequence.append(f"int32 {func}")
             return out
 
-    model = Model(CFG, device="cpu", dtype=torch.float32)
-    model.allocate_cache(B, S)
-    model.fill_cache_random()
-    tokens, positions = torch.tensor([3, 5]), torch.tensor([CTX, 7])
-    before = model.kv.clone()
-    want = model.decode_step(tokens, positions, StockOps(), head=False)
-    model.kv.copy_(before)
     ops = RecordingOps(ShapeTable(list(SHAPES)), "test")
-    with Log():
-        got = model.decode_step(tokens, positions, ops, head=False)
+    _, (got, _), (want, _) = _step(ops, head=False, around=Log())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     made = [s for s in ops.sequence if s.startswith("int32")]
     assert made == ["int32 aten.add.out"], ops.sequence      # once a step, in one op
