@@ -531,3 +531,36 @@ def test_a_table_that_is_not_a_file_is_refused(tmp_path, hwtune_cli, make, messa
     proc = hwtune_cli("--state-dir", tmp_path / "state", "bench", "--device", "cpu", "--model", model, *extra,
                       "--table", make(tmp_path))
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_the_judge_at_a_models_own_cache_judges_each_shape_and_names_one_that_fails(tmp_path, monkeypatch):
+    """Bench.judge_at_cache (what `--model hf-llama --judge-in-step` runs): each (batch, ctx) on a
+    cache of exactly ctx slots with the new token in the last, keyed "BxCTX (cache CTX)"; a shape
+    that cannot be made (out of memory) is named and the others are still judged."""
+    import torch
+
+    from daemon.bench.model import PRESETS, Model
+    from daemon.bench.run import Bench, BenchOptions
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = []
+
+    def fake(self, model, tokens, positions, stock, table, note, doc, batch, ctx, ref, tol, key=None):
+        seen.append((key, model.s_max, positions.tolist(), tuple(ref.shape)))
+        doc.setdefault("step_judge", {})[key] = {"status": "ok"}
+        return table
+    monkeypatch.setattr(Bench, "_judge_in_step", fake)
+    real = Model.allocate_cache
+
+    def allocate(self, batch, s_max):
+        if batch == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(self, batch, s_max)
+    monkeypatch.setattr(Model, "allocate_cache", allocate)
+    bench = Bench(BenchOptions(device="cpu", shapes=[(2, 16), (3, 16), (1, 40)], state_dir=str(tmp_path)))
+    doc = {}
+    table = object()
+    assert bench.judge_at_cache(PRESETS["tiny"], table, "given", doc) is table
+    assert [(k, s, p) for k, s, p, _ in seen] == [("2x16 (cache 16)", 16, [15, 15]), ("1x40 (cache 40)", 40, [39])]
+    assert doc["step_judge"]["3x16 (cache 16)"]["status"].startswith("error: OutOfMemoryError: CUDA out of memory")
+    assert list(doc["step_judge"]) == ["2x16 (cache 16)", "3x16 (cache 16)", "1x40 (cache 40)"]
