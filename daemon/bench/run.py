@@ -367,19 +367,26 @@ class Bench:
         self.stock_attention[key] = choice
         return choice
 
-    def _decode_shape(self, model, batch, ctx, floor, variants, table, table_note, doc):
+    def _step_inputs(self, model, batch, s_max, position):
+        """A decode step's inputs on `model`: a cache of s_max random slots, random tokens at
+        `position` (every row), the stock ops (the faster stock attention there), stock's
+        logits and the tolerance against them -> (tokens, positions, stock, ref, tol)."""
         o = self.opts
-        s_max = cache_len(ctx)
         model.allocate_cache(batch, s_max)
         model.fill_cache_random(seed=o.seed + 1)
         g = torch.Generator(device=o.device)
         g.manual_seed(o.seed + 2)
         tokens = torch.randint(1, model.cfg.vocab, (batch,), generator=g, device=o.device)
-        positions = torch.full((batch,), ctx, device=o.device, dtype=torch.int64)
-        stock = StockOps(self._choose_stock_attention(model, batch, ctx))
+        positions = torch.full((batch,), position, device=o.device, dtype=torch.int64)
+        stock = StockOps(self._choose_stock_attention(model, batch, position))
         ref = model.decode_step(tokens, positions, stock).float()
+        return tokens, positions, stock, ref, 5e-2 if model.dtype != torch.float32 else 1e-3
+
+    def _decode_shape(self, model, batch, ctx, floor, variants, table, table_note, doc):
+        o = self.opts
+        s_max = cache_len(ctx)
+        tokens, positions, stock, ref, tol = self._step_inputs(model, batch, s_max, ctx)
         ref_no_head = model.decode_step(tokens, positions, stock, head=False).float()
-        tol = 5e-2 if model.dtype != torch.float32 else 1e-3
         if o.judge_in_step and "tuned" in variants:
             table = self._judge_in_step(model, tokens, positions, stock, table, table_note, doc, batch,
                                         ctx, ref, tol)
@@ -543,22 +550,13 @@ class Bench:
         calls at the same shapes as the patched model's one-token step. -> the judged table,
         written back as the built-in judge writes; each shape's record in doc["step_judge"]."""
         o = self.opts
-        dtype = DTYPES[o.dtype]
         torch.manual_seed(o.seed)
-        model = Model(cfg, device=o.device, dtype=dtype, seed=o.seed)
-        tol = 5e-2 if dtype != torch.float32 else 1e-3
+        model = Model(cfg, device=o.device, dtype=DTYPES[o.dtype], seed=o.seed)
         try:
             for batch, ctx in o.shapes:
                 key = f"{batch}x{ctx} (cache {ctx})"
                 try:
-                    model.allocate_cache(batch, ctx)
-                    model.fill_cache_random(seed=o.seed + 1)
-                    g = torch.Generator(device=o.device)
-                    g.manual_seed(o.seed + 2)
-                    tokens = torch.randint(1, cfg.vocab, (batch,), generator=g, device=o.device)
-                    positions = torch.full((batch,), ctx - 1, device=o.device, dtype=torch.int64)
-                    stock = StockOps(self._choose_stock_attention(model, batch, ctx - 1))
-                    ref = model.decode_step(tokens, positions, stock).float()
+                    tokens, positions, stock, ref, tol = self._step_inputs(model, batch, ctx, ctx - 1)
                     table = self._judge_in_step(model, tokens, positions, stock, table, table_note, doc,
                                                 batch, ctx, ref, tol, key=key)
                 except Exception as exc:   # e.g. out of memory at this shape: the others are judged

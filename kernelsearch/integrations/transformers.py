@@ -437,9 +437,8 @@ class HwtuneAttention(nn.Module):
         out = None
         if attend:
             if ok is None or torch.compiler.is_compiling() or bool(ok.all()):
-                out = torch.ops.hwtune.decode_attention(q, keys, values, seq_lens, float(self.scaling), self.table)
-                if ok is not None and torch.compiler.is_compiling():
-                    out = torch.where(ok[:, None, None], out, float("nan"))
+                out = _nan_rows(torch.ops.hwtune.decode_attention(q, keys, values, seq_lens, float(self.scaling),
+                                                                  self.table), ok)
         if out is None:   # a padded row (eager), or no decode kernel: the model's own, on the written cache
             out = self._model_attention(q.view(bsz, 1, hq, d).transpose(1, 2), keys, values, attention_mask,
                                         kwargs)
@@ -461,9 +460,7 @@ class HwtuneAttention(nn.Module):
         out = torch.ops.hwtune.rope_kv_attention(qkv.reshape(bsz, hq + 2 * hkv, d), cos, sin, positions,
                                                  keys, values, float(self.scaling), self.table)
         layer.cumulative_length.add_(1)
-        if ok is not None and torch.compiler.is_compiling():
-            out = torch.where(ok[:, None, None], out, float("nan"))
-        return out
+        return _nan_rows(out, ok)
 
     def _mask_agrees(self, mask, positions, s_max: int):
         """[B] bool: each row's mask lets the new token see exactly slots 0..positions[b] (what
@@ -509,9 +506,7 @@ class HwtuneAttention(nn.Module):
                 return None    # a padded row: the model's own attention (eager only: a host sync)
         out = torch.ops.hwtune.decode_attention(q.contiguous(), keys, values, seq_lens,
                                                 float(self.scaling), self.table)
-        if prefix is not None and self._guards_padding and torch.compiler.is_compiling():
-            out = torch.where(prefix[:, None, None], out, float("nan"))
-        return out
+        return _nan_rows(out, prefix if self._guards_padding else None)
 
     def _model_attention(self, q, keys, values, mask, kwargs):
         # only full-attention layers are patched: no sliding_window argument to pass on
@@ -524,6 +519,15 @@ class HwtuneAttention(nn.Module):
             fn = ALL_ATTENTION_FUNCTIONS[impl]
         out, _ = fn(self, q, keys, values, mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return out
+
+
+def _nan_rows(out, ok):
+    """out [B, ...] with the rows where ok [B] is False made NaN, under torch.compile only: there
+    a mask the kernel cannot honour (padding) cannot send the step down the model's own path (a
+    host sync), so the guarding layer poisons that row instead. Eagerly, or ok None: out."""
+    if ok is None or not torch.compiler.is_compiling():
+        return out
+    return torch.where(ok[:, None, None], out, float("nan"))
 
 
 # The attention modules that run RoPE + cache write + decode attention as one kernel (where the
