@@ -88,3 +88,26 @@ def test_time_limit_stops_the_search_says_so_and_resume_finishes_it(tmp_path):
     done = run_hwtune("--state-dir", state, *ARGS, "--resume", "--json", check=True, timeout=600)
     doc = json.loads(done.stdout)
     assert doc["stopped"] is None and doc["unfinished"] == [] and doc["evaluations"] == 2
+
+
+def _result(kernel, device, kept):
+    from types import SimpleNamespace
+
+    row = SimpleNamespace(shape={"B": 1, "N": 64, "K": 64, "dtype": "bfloat16"}, dtype="bfloat16",
+                          verdicts={"accepted": 2}, stock_ms=0.02, best={"candidate_ms": 0.01} if kept else None,
+                          speedup=2.0 if kept else None, kept=kept, bound="memory", pct_of_ceiling=None,
+                          attempts=2)
+    return SimpleNamespace(kernel=kernel, device=device, shapes=[row], fingerprint_id="fp", evaluations=2,
+                           resumed=0, elapsed_s=1.0, stopped=None, unfinished=[], table_path="t.json")
+
+
+def test_a_kept_step_kernel_points_to_the_step_judge_and_nothing_else_does():
+    from daemon.commands.search import _table
+
+    hint = "hwtune bench --judge-in-step"
+    assert hint in _table(_result("rmsnorm_qkv_rope", "cuda", True))
+    assert hint in _table(_result("linear", "cuda:1", True))
+    assert hint not in _table(_result("rmsnorm_qkv_rope", "cpu", True))      # interpreter times
+    assert hint not in _table(_result("rmsnorm_qkv_rope", "cuda", False))    # nothing kept
+    assert hint not in _table(_result("softmax", "cuda", True))              # no step routes it
+    assert hint not in _table(_result("matmul", "cuda", True))

@@ -101,6 +101,14 @@ def _table(result) -> str:
         lines.append(f"stopped early: {result.stopped}; not finished: {shapes or 'none'} "
                      f"(their winners kept only where they beat stock; --resume goes on with them)")
     lines.append(f"dispatch table: {result.table_path}")
+    from daemon.bench.ops import ROUTED
+
+    if kept and result.device != "cpu" and result.kernel in ROUTED:
+        # The harness times a kernel alone; in a decode step the fastest alone can lose to the
+        # path it replaces (BENCHMARKS.md 10q: +0.9%), and only the step judge sees that.
+        lines.append(f"{result.kernel} runs in the decode step: the kept configs were timed alone; "
+                     "`hwtune bench --judge-in-step` re-times them in the built-in model's step "
+                     "(add `--model hf-llama` for the transformers model's cache shapes)")
     return "\n".join(lines)
 
 
