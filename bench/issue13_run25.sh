@@ -1,6 +1,7 @@
 #!/bin/bash
-# Run 25 of issue 13, one device call (< 600 s), read-only, on an H200 only (elsewhere it exits 3
-# having run nothing): what runs 22-24 measured on H100s and still owed the H200.
+# Run 25 of issue 13, one device call (< 600 s), read-only, on an H200 (ANY_CARD=1: an H100 too, with
+# the H100's tables; elsewhere it exits 3 having run nothing): what runs 22-24 measured on H100s and
+# still owed the H200.
 #   1. bench/issue13_run24.sh with ORDER="prev judged prev judged": `hwtune bench --model hf-llama
 #      --judge-in-step` on run 21's table (its S 2048 entries never judged in a step), then the
 #      hf-llama rows on run 18 J32's table (the path before the fused norm + q|k|v + RoPE) and on the
@@ -17,8 +18,9 @@ start=$SECONDS; left() { echo $(( ${DEADLINE_S:-560} - (SECONDS - start) )); }
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 case "$name" in
   *H200*) prev=bench/results/h200-issue13/run18/J32/dispatch-judged.json ;;
-  *) echo "card $name: run 25 is for an H200; nothing run" | tee "$OUT/run.log"; exit 3 ;;
+  *H100*) [ -n "${ANY_CARD:-}" ] && prev=bench/results/h100-issue13/run18-wide/wide-judged.json ;;
 esac
+[ -n "${prev:-}" ] || { echo "card $name: run 25 is for an H200 (ANY_CARD=1: an H100 too); nothing run" | tee "$OUT/run.log"; exit 3; }
 ORDER="prev judged prev judged" DEADLINE_S=$(( $(left) - 200 )) bench/issue13_run24.sh
 judged=/tmp/r24/judged.json
 [ -f "$judged" ] || { echo "no judged table; stopping" >> "$OUT/run.log"; exit 1; }
