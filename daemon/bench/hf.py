@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 
 from daemon.bench.model import ModelConfig
-from daemon.bench.run import decode_floor, energy_window, log, measure_copy_bandwidth_gbs, time_steps
+from daemon.bench.run import (decode_floor, energy_window, error_status, log, measure_copy_bandwidth_gbs,
+                              time_steps)
 from kernelsearch.harness.run_plan import pdl_note
 
 MODEL = "hf-llama"
@@ -436,7 +437,7 @@ class HfBench:
             except Exception as exc:   # e.g. out of memory at this shape: the others still run
                 log(f"hf-llama {batch}x{ctx} failed: {type(exc).__name__}: {exc}")
                 rows.append({"model": MODEL, "variant": ",".join(o.variants), "batch": batch, "ctx": ctx,
-                             "status": f"error: {type(exc).__name__}: {str(exc)[:300]}"})
+                             "status": error_status(exc)})
             finally:
                 torch._dynamo.reset()
                 if cuda:
@@ -452,7 +453,7 @@ class HfBench:
         try:
             table, section["step_judge"] = judge_table(self.opts, fcfg, table, note, self.left_s())
         except Exception as exc:
-            section["step_judge"] = {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
+            section["step_judge"] = {"status": error_status(exc)}
             log(f"hf-llama: step judge failed: {section['step_judge']['status']}")
         return table
 
@@ -535,7 +536,7 @@ class HfBench:
                     if e.get("energy_j"):
                         row["tokens_per_j"] = batch * o.steps * e["calls"] / e["energy_j"]
             except Exception as exc:   # a failing mode is a row
-                row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                row["status"] = error_status(exc)
                 row["traceback"] = traceback.format_exc(limit=6)[-2000:]
             finally:
                 if undo is not None:

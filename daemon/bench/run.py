@@ -65,6 +65,12 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def error_status(exc: BaseException) -> str:
+    """A row's or a judge record's status when `exc` stopped it: "error: Type: message", the
+    message cut at 300 characters."""
+    return f"error: {type(exc).__name__}: {str(exc)[:300]}"
+
+
 def fastest_stock_attention(model, batch: int, ctx: int, log=print) -> tuple[str, dict]:
     """(name, {name: ms}): the faster of StockOps' decode attentions ("sdpa", "bmm") for `model`
     at (batch, ctx), each timed in a CUDA graph on the model's layer-0 cache; "sdpa" when
@@ -326,7 +332,7 @@ class Bench:
                 except Exception as exc:  # e.g. out of memory for this shape: the rest still runs
                     log(f"decode {batch}x{ctx} failed: {type(exc).__name__}: {exc}")
                     doc["decode"].append({"variant": ",".join(variants), "batch": batch, "ctx": ctx,
-                                          "status": f"error: {type(exc).__name__}: {str(exc)[:300]}"})
+                                          "status": error_status(exc)})
                 finally:
                     model.kv = None
                     if self.cuda:
@@ -339,7 +345,7 @@ class Bench:
                 except Exception as exc:
                     log(f"prefill {batch}x{tokens} failed: {type(exc).__name__}: {exc}")
                     doc["prefill"].append({"variant": "*", "batch": batch, "tokens": tokens,
-                                           "status": f"error: {type(exc).__name__}: {str(exc)[:300]}"})
+                                           "status": error_status(exc)})
                 finally:
                     model.kv = None
                     if self.cuda:
@@ -444,7 +450,7 @@ class Bench:
                     # timed, but it is the stock step: say so where the row is read
                     row["warning"] = "; ".join(filter(None, [row.get("warning"), ALL_STOCK]))
             except Exception as exc:
-                row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                row["status"] = error_status(exc)
                 row["traceback"] = traceback.format_exc(limit=6)[-2000:]
             finally:
                 row["wall_s"] = time.monotonic() - t_start
@@ -513,7 +519,7 @@ class Bench:
                                          reps=JUDGE_REPS if self.cuda else None,
                                          deadline=self.t0 + self.opts.budget_s - JUDGE_RESERVE_S)
         except Exception as exc:  # the rows still run, on the table as it was
-            section[key] = {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}",
+            section[key] = {"status": error_status(exc),
                             "traceback": traceback.format_exc(limit=6)[-2000:]}
             log(f"step judge {key}: {section[key]['status']}")
             return table
@@ -560,7 +566,7 @@ class Bench:
                     table = self._judge_in_step(model, tokens, positions, stock, table, table_note, doc,
                                                 batch, ctx, ref, tol, key=key)
                 except Exception as exc:   # e.g. out of memory at this shape: the others are judged
-                    doc.setdefault("step_judge", {})[key] = {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
+                    doc.setdefault("step_judge", {})[key] = {"status": error_status(exc)}
                     log(f"step judge {key}: {doc['step_judge'][key]['status']}")
                 finally:
                     model.kv = None
@@ -732,7 +738,7 @@ class Bench:
                         row["tokens_per_j"] = batch * tokens_n * e["calls"] / e["energy_j"]
                 log(f"prefill {name:8s} B={batch} T={tokens_n} {ms:.2f} ms {row['tokens_per_s']:.0f} tok/s")
             except Exception as exc:
-                row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                row["status"] = error_status(exc)
                 log(f"prefill {name} failed: {row['status']}")
             doc["prefill"].append(row)
 
