@@ -147,6 +147,7 @@ def test_torch_compute_in_launch_cannot_be_planned():
     "torch.backends.cuda.matmul.allow_tf32 = True", "x.__class__", "class A: pass",
     "import operator\nf = operator.attrgetter('cpu')", "print('hi')", "exec('1')",
     "if __name__ == '__main__': pass", "import numpy", "from triton.runtime import interpreter",
+    "from typing import _eval_type", "import functools\nf = functools._lru_cache_wrapper",
 ])
 def test_static_allowlist_refuses_host_escapes(snippet):
     base = (CANDIDATES / "honest_rmsnorm.py").read_text()
@@ -272,7 +273,7 @@ def test_branching_on_a_scalar_argument_cannot_be_planned():
 @pytest.mark.parametrize("name, words", [
     ("hack_backends_flag", [".backends"]), ("hack_switch_interval", ["import sys"]),
     ("hack_putenv", ["import os"]), ("hack_detached_process", ["import os"]),
-    ("hack_write_outside", ["open"]),
+    ("hack_write_outside", ["open"]), ("hack_typing_eval_type", ["._eval_type"]),
 ])
 def test_process_state_and_host_escapes_are_refused(name, words):
     rejected(check(name), "static", *words)

@@ -13,8 +13,8 @@ source that passed an allowlist. The file itself is never imported here.
   functions, constexpr literal globals, range/min/max, and an allowlist of value attributes
   (.to, .dtype, .element_ty, .shape, reductions, ...). No dunder, no other module, no
   lambda/comprehension/with/try/import/global, no call of a local. Defaults are literals.
-- host code (launch and helpers): a deny-list (dunders, open/eval/exec/getattr, host and frame
-  attributes, torch compute names) as a second fence behind the sandbox.
+- host code (launch and helpers): a deny-list (private and dunder attributes, open/eval/exec/
+  getattr, host and frame attributes, torch compute names) as a second fence behind the sandbox.
 
 `module_text()` is what the harness compiles: `from __future__ import annotations`, the
 triton imports under the file's own aliases, the constexpr literal globals and the jit
@@ -103,6 +103,12 @@ HOST_FORBIDDEN_ATTRS = {
     "cr_frame", "ag_frame", "tb_frame", "tb_next", "attrgetter", "methodcaller",
     "get_type_hints", "ForwardRef", "_evaluate", "system", "popen",
 }
+
+
+def _private(name: str) -> bool:
+    """A module's or object's internals (`typing._eval_type` evaluates a string with the real
+    builtins): host code reads no attribute and imports no name that starts with an underscore."""
+    return name.startswith("_")
 
 
 class SourceError(ValueError):
@@ -587,7 +593,7 @@ class _Checker:
                 self.libdevice_aliases[bound] = full
                 self.imports.append(f"import {full} as {bound}")
             elif module == "__future__" or (module in HOST_MODULES and module != "torch"):
-                if _dunder(alias.name) or alias.name in HOST_FORBIDDEN_ATTRS:
+                if _private(alias.name) or alias.name in HOST_FORBIDDEN_ATTRS:
                     self.bad(node, f"from {module} import {alias.name} not allowed")
             else:
                 self.bad(node, f"from {module} import {alias.name} not allowed")
@@ -743,7 +749,7 @@ class _Checker:
                 pass
             elif isinstance(sub, ast.Name) and (sub.id in HOST_FORBIDDEN_NAMES or _dunder(sub.id)):
                 self.bad(sub, f"name {sub.id} not allowed")
-            elif isinstance(sub, ast.Attribute) and (sub.attr in HOST_FORBIDDEN_ATTRS or _dunder(sub.attr)):
+            elif isinstance(sub, ast.Attribute) and (sub.attr in HOST_FORBIDDEN_ATTRS or _private(sub.attr)):
                 self.bad(sub, f"attribute .{sub.attr} not allowed")
             elif isinstance(sub, ast.ClassDef):
                 self.bad(sub, "class definitions not allowed")
