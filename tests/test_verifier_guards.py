@@ -208,6 +208,14 @@ def test_the_sandbox_request_holds_shapes_only(monkeypatch):
     assert tensors and all(set(a) == {"name", "kind", "shape", "strides", "dtype", "role"} for a in tensors)
 
 
+def test_configs_and_space_are_checked_before_the_harness_uses_them():
+    """CONFIGS and SPACE are the candidate's data, as literals or as the sandbox reports them: a
+    CONFIGS that is not a list of dicts was indexed (a TypeError, no verdict), and a search listed
+    a SPACE of 4096^3 points whole in the trusted process."""
+    rejected(check("hack_configs_not_a_list"), "contract", "CONFIGS must be a list")
+    rejected(check("hack_space_bomb"), "contract", f"SPACE has {4096 ** 3} points")
+
+
 def test_memo_and_call_counters_are_not_functions_of_their_arguments():
     rejected(check("hack_memoize"), "workspace_state", "not zero-initialised")
     rejected(check("hack_noise"), "plan", "planned differently")

@@ -31,6 +31,8 @@ from kernelsearch.specs import SPECS, dtype_from_name
 
 DEFAULT_TIMEOUT_S = {"cpu": 120.0, "cuda": 120.0}
 RANDOM_SHAPES = 1
+MAX_CONFIGS = 4096            # CONFIGS entries, and values of one SPACE parameter (the sandbox's limit)
+MAX_SPACE_POINTS = 1 << 20    # SPACE's grid, which the strategies list whole (templates: 207,360 at most)
 
 _stock_cache: dict = {}
 
@@ -76,7 +78,9 @@ class Session:
         except SourceError as exc:
             self.failure = ("static", "; ".join(exc.problems[:6]))
             return
-        self.configs, self.space = self.source.configs, self.source.space
+        self.configs, self.space, self.failure = _configs_and_space(self.source.configs, self.source.space)
+        if self.failure:
+            return
         if self.kind == "cuda":
             import torch
 
@@ -131,10 +135,11 @@ class Session:
             self.failure = (reply.get("guard") or "exception", reply.get("reason", "sandbox failed"))
             return
         self._described = True
-        if self.configs is None:
-            self.configs = reply.get("configs")
-        if self.space is None:
-            self.space = reply.get("space")
+        self.configs, self.space, self.failure = _configs_and_space(
+            reply.get("configs") if self.configs is None else self.configs,
+            reply.get("space") if self.space is None else self.space)
+        if self.failure:
+            return
         for j, params in enumerate(reply.get("params") or []):
             self.plans[self._key(params)] = [row[j] for row in reply["plans"]]
 
@@ -258,6 +263,33 @@ class Session:
                 return math.inf, math.inf
             _stock_cache[key] = (reply["stock_ms"], reply["noise_band"])
         return _stock_cache[key]
+
+
+def _configs_and_space(configs, space) -> tuple:
+    """(CONFIGS, SPACE, failure): the file's literals or what its sandboxed import reported --
+    the candidate's data either way, checked here before anything indexes or enumerates it.
+    CONFIGS: a list of dicts of str -> int/float/bool/str/None; SPACE: str -> a list of those
+    values, at most MAX_SPACE_POINTS points in all."""
+    scalar = (type(None), bool, int, float, str)
+    if configs is not None:
+        if not isinstance(configs, (list, tuple)) or len(configs) > MAX_CONFIGS or not all(
+                isinstance(c, dict) and all(isinstance(k, str) and isinstance(v, scalar) for k, v in c.items())
+                for c in configs):
+            return None, None, ("contract", f"CONFIGS must be a list of at most {MAX_CONFIGS} dicts of "
+                                            "str -> int/float/bool/str/None")
+        configs = [dict(c) for c in configs]
+    if space is not None:
+        if not isinstance(space, dict) or not all(
+                isinstance(k, str) and isinstance(v, (list, tuple)) and len(v) <= MAX_CONFIGS
+                and all(isinstance(x, scalar) for x in v) for k, v in space.items()):
+            return None, None, ("contract", f"SPACE must be a dict of str -> a list of at most {MAX_CONFIGS} "
+                                            "int/float/bool/str/None values")
+        space = {k: list(v) for k, v in space.items()}
+        points = math.prod(len(v) for v in space.values())
+        if points > MAX_SPACE_POINTS:
+            return None, None, ("contract", f"SPACE has {points} points, more than {MAX_SPACE_POINTS} (the "
+                                            "strategies list every point)")
+    return configs, space, None
 
 
 _sessions: dict = {}
