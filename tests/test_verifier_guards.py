@@ -406,6 +406,38 @@ _t.zeros = _t.empty
     assert plan.launches == 1
 
 
+FORGED_REPLIES = {
+    "plans not a list": {"ok": True, "params": [{"num_warps": 4}], "plans": 5},
+    "no plan for the params asked": {"ok": True, "params": [{"zzz": 1}], "plans": [[{}], [{}]]},
+    "isolation not a list": {"ok": True, "params": [{"num_warps": 4}], "plans": [[{}], [{}]], "isolation": 5},
+    "nested 100000 deep": "[" * 100000 + "]" * 100000,
+}
+
+
+@pytest.mark.parametrize("what", list(FORGED_REPLIES))
+def test_jail_a_forged_sandbox_reply_is_a_verdict(monkeypatch, what):
+    """Host code that got past the static check can write the sandbox's reply itself: the
+    trusted side checks its shape (it indexed it, and the jail parsed it, with no verdict)."""
+    from kernelsearch.harness import verify
+
+    forged = FORGED_REPLIES[what]
+    text = forged if isinstance(forged, str) else json.dumps(forged)
+    body = f"""
+_data = {text!r}.encode()
+for _fd in range(3, 16):
+    try:
+        _os.write(_fd, len(_data).to_bytes(8, "big") + _data)
+    except OSError:
+        pass
+_os._exit(0)
+"""
+    real = verify.plan_client.request_plans
+    monkeypatch.setattr(verify.plan_client, "request_plans",
+                        lambda source, *a, **k: real(HOSTILE_PREFIX + source + body, *a, **k))
+    v = check("honest_rmsnorm")
+    assert not v.accepted and v.guard in ("plan", "crash"), (v.guard, v.reason)
+
+
 def test_jail_enforces_its_deadline_on_a_busy_loop():
     started = time.monotonic()
     reply = _jail("while True:\n    pass\n", timeout_s=2)

@@ -273,7 +273,7 @@ def run(request: dict) -> dict:
     raw = raw[:expected or 0]
     try:
         reply = json.loads(raw.decode("utf-8")) if raw else None
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: [[[[...]]]]
         reply = None
     if not isinstance(reply, dict):
         how = ""

@@ -125,7 +125,9 @@ class Session:
                                           all_configs=not self._described, user=self.sandbox_user,
                                           timeout_s=min(self.timeout_s, plan_client.SANDBOX_TIMEOUT_S))
         self.sandbox_s += time.perf_counter() - started
-        self.isolation = reply.get("isolation") or self.isolation
+        isolation = reply.get("isolation")
+        if isinstance(isolation, list) and all(isinstance(x, str) for x in isolation):
+            self.isolation = isolation or self.isolation
         if reply.get("leftover"):
             names = ", ".join(f"{p['comm']}[{p['pid']}]" for p in reply["leftover"][:5])
             self.failure = ("left_process", f"the host code left process(es) running after launch(): {names} "
@@ -134,14 +136,22 @@ class Session:
         if not reply.get("ok"):
             self.failure = (reply.get("guard") or "exception", reply.get("reason", "sandbox failed"))
             return
+        # written by the sandbox, where the candidate's code ran: data to check like a plan
+        params, plans = reply.get("params"), reply.get("plans")
+        if not (isinstance(params, list) and all(isinstance(p, dict) for p in params)
+                and isinstance(plans, list) and len(plans) == len(self.cases)
+                and all(isinstance(row, list) and len(row) == len(params)
+                        and all(isinstance(raw, dict) for raw in row) for row in plans)):
+            self.failure = ("plan", "the sandbox's reply does not hold one plan per shape and params")
+            return
         self._described = True
         self.configs, self.space, self.failure = _configs_and_space(
             reply.get("configs") if self.configs is None else self.configs,
             reply.get("space") if self.space is None else self.space)
         if self.failure:
             return
-        for j, params in enumerate(reply.get("params") or []):
-            self.plans[self._key(params)] = [row[j] for row in reply["plans"]]
+        for j, params in enumerate(params):
+            self.plans[self._key(params)] = [row[j] for row in plans]
 
     def warm(self, params_list: list[dict] | None = None) -> None:
         """Start compiling every launch of these params' plans (default: all CONFIGS) in the
@@ -185,7 +195,10 @@ class Session:
             verdict.guard, verdict.reason = self.failure
             return verdict
         verdict.isolation = list(self.isolation)
-        plans = self.plans[self._key(params)]
+        plans = self.plans.get(self._key(params))
+        if plans is None:
+            verdict.guard, verdict.reason = "plan", "the sandbox's reply holds no plan for these params"
+            return verdict
         wanted = None if shapes is None else {self._shape_key(s) for s in shapes}
         try:
             ex = runner.executor(self.device)
