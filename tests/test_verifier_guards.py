@@ -168,6 +168,28 @@ def test_trusted_module_holds_only_the_checked_kernels_and_literals(tmp_path):
     assert "open" not in module.__builtins__ and "__import__" not in module.__builtins__
 
 
+def test_a_docstring_holding_a_second_def_of_the_kernel_never_runs():
+    """Triton's interpreter compiles a kernel from the last line of its source that starts with
+    "def ": a kernel docstring holding one ran unchecked Python in the trusted process. On this
+    Triton the grid-dependency wait the harness puts first hid it (the docstring was then a plain
+    string); a Triton without the gdc ops (triton>=3.0 is allowed) had no such wait."""
+    import subprocess
+    import sys
+
+    code = ("import os, torch; from kernelsearch.harness import source; "
+            "source.gdc_available = lambda: False; "
+            f"src = source.KernelSource.parse(open({str(CANDIDATES / 'hack_docstring_second_def.py')!r}).read()); "
+            "k = source.load_kernels(src, source.private_dir())['_rmsnorm_row']; out = torch.full((2, 8), 7.0); "
+            "k[(2,)](torch.randn(2, 8), torch.ones(8), out, 8, 1e-6, BLOCK_N=8); "
+            "print(os.environ.get('HWTUNE_RED_SECOND_DEF', 'not run'), bool(out.eq(0).all()))")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("HWTUNE_RED_SECOND_DEF", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[1])
+    assert done.stdout.split() == ["not", "run", "True"], (done.stdout, done.stderr[-2000:])
+    rejected(check("hack_docstring_second_def"), "correctness")
+
+
 # --- patching what the harness relies on ---------------------------------------------------------
 @pytest.mark.parametrize("name", ["hack_patch_tensor_methods", "hack_patch_builtins",
                                   "hack_replace_interpreter", "hack_setattr_patch",

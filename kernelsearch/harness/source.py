@@ -729,7 +729,12 @@ class _Checker:
         dec = fn.decorator_list[0]
         keywords = dec.keywords if isinstance(dec, ast.Call) else []
         jit = ast.Attribute(value=ast.Name(id="triton", ctx=ast.Load()), attr="jit", ctx=ast.Load())
-        new = ast.FunctionDef(name=fn.name, args=fn.args, body=fn.body,
+        # String statements (a docstring) are dropped: unparsed as a docstring, text with a line
+        # "def <name>(...):" became lines of the function's source, and Triton's interpreter
+        # compiles a kernel from the last line of its source that starts with "def ".
+        body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+                                           and isinstance(s.value.value, str))] or [ast.Pass()]
+        new = ast.FunctionDef(name=fn.name, args=fn.args, body=body,
                               decorator_list=[ast.Call(func=jit, args=[], keywords=keywords)
                                               if keywords else jit],
                               returns=fn.returns, type_comment=None, lineno=fn.lineno)
