@@ -107,7 +107,8 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "- launch() may allocate (torch.empty/zeros/empty_like), make views (view, reshape, "
              "slicing, transpose, ...), zero a workspace (.zero_()) and launch kernels "
              "(`kernel[grid](...)`), nothing else: no torch compute, no data access (.item, "
-             "printing values), no torch.cuda streams or events.",
+             "printing values), no torch.cuda streams or events, no attribute or imported name "
+             "that starts with an underscore (a module's internals).",
              "- scalar arguments (eps, scale) are drawn per trial: pass them, or arithmetic on "
              "them (scale * 1.4427), to a kernel; don't branch on them or convert them to int.",
              "- launch() must plan the same on repeated calls with the same arguments (no memo, "

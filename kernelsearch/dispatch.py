@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from kernelsearch.entry import Entry, EntryError, _thaw  # noqa: F401 -- the table's row type
+from kernelsearch.entry import Entry, EntryError, _thaw, file_sha256  # noqa: F401 -- the table's row type
 
 FORMAT = 1
 
@@ -67,8 +66,6 @@ class _ShapeOf(dict):
 SHAPE_OF = _ShapeOf()
 
 
-def file_sha256(path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def table_path(state_dir, fingerprint_id: str) -> Path:

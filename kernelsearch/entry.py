@@ -3,6 +3,7 @@ the daemon's metrics read tables without importing torch. kernelsearch.dispatch 
 table around it."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import types
@@ -31,6 +32,16 @@ def _thaw(value):
 
 _ENTRY_FIELDS = ("kernel", "dtype", "shape", "range", "source", "source_hash", "params", "plan",
                  "candidate_ms", "stock_ms", "speedup", "against", "noise_band")
+
+
+def file_sha256(path) -> str:
+    """An entry's source_hash: the first 16 hex digits of the file's SHA-256, read in blocks (a
+    candidate file may be huge)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -238,6 +238,25 @@ def test_configs_and_space_are_checked_before_the_harness_uses_them():
     rejected(check("hack_space_bomb"), "contract", f"SPACE has {4096 ** 3} points")
 
 
+def test_a_file_of_gigabytes_is_refused_without_being_read_whole(tmp_path):
+    """The verifier read a candidate file whole before its size check, and the search hashed it
+    whole: a sparse file of 3 GiB under a 2 GiB address-space limit was a MemoryError traceback."""
+    import subprocess
+    import sys
+
+    big = tmp_path / "big.py"
+    with open(big, "wb") as f:
+        f.truncate(3 << 30)
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+            "from kernelsearch.harness import evaluate; from kernelsearch.ledger import file_hash\n"
+            "v = evaluate('rmsnorm', sys.argv[1], device='cpu', shapes=[{'M': 5, 'N': 1000}], time_it=False)\n"
+            "print(v.guard, v.reason, len(file_hash(sys.argv[1])))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(big)], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["static", "file", "larger", "than", "524288", "bytes", "16"], out.stdout
+
+
 def test_memo_and_call_counters_are_not_functions_of_their_arguments():
     rejected(check("hack_memoize"), "workspace_state", "not zero-initialised")
     rejected(check("hack_noise"), "plan", "planned differently")

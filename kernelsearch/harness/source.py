@@ -50,6 +50,14 @@ from pathlib import Path
 from kernelsearch.harness.plan import TL_DTYPES
 
 MAX_SOURCE_BYTES = 512 * 1024
+
+
+def read_source(path) -> bytes:
+    """A candidate file's bytes, read no further than one byte past MAX_SOURCE_BYTES (a larger file
+    is refused by the check below, so a file of gigabytes is never read into memory whole)."""
+    with open(path, "rb") as f:
+        return f.read(MAX_SOURCE_BYTES + 1)
+
 # Deepest AST a candidate may have (the templates reach 19): every check below recurses along
 # expressions, and a chain such as `w + 1 + 1 + ...` nests one level a term. Past this depth the
 # file is refused as a whole, before any recursive check, whatever Python's recursion limit is.
@@ -985,5 +993,5 @@ def _import_triton_only(name, globals=None, locals=None, fromlist=(), level=0):
     return __import__(name, globals, locals, fromlist, level)
 
 
-__all__ = ["KernelSource", "KernelDef", "SourceError", "gdc_available", "load_kernels", "private_dir",
+__all__ = ["KernelSource", "KernelDef", "SourceError", "gdc_available", "load_kernels", "private_dir", "read_source",
            "PDL_PARAM", "PDL_WAIT", "PDL_EARLY", "EARLY_READS_ATTR", "early_prefix"]

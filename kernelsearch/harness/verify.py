@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from kernelsearch.harness import plan_client, runner
-from kernelsearch.harness.source import KernelSource, SourceError
+from kernelsearch.harness.source import KernelSource, SourceError, read_source
 from kernelsearch.harness.verdict import ShapeResult, Verdict
 from kernelsearch.specs import SPECS, dtype_from_name
 
@@ -65,7 +65,7 @@ class Session:
             self.failure = ("contract", f"unknown kernel {kernel!r} (known: {', '.join(SPECS)})")
             return
         try:
-            raw = Path(self.source_path).read_bytes()
+            raw = read_source(self.source_path)
             self.text = raw.decode("utf-8")
         except OSError as exc:
             self.failure = ("contract", f"cannot read {self.source_path}: {exc.strerror}")
@@ -317,7 +317,7 @@ def session(kernel: str, source_path, device: str = "cpu", shapes: list[dict] | 
     import json
 
     try:
-        digest = hashlib.sha256(Path(source_path).read_bytes()).hexdigest()
+        digest = hashlib.sha256(read_source(source_path)).hexdigest()
     except OSError:
         digest = None
     if shapes is None and kernel in SPECS:
@@ -348,7 +348,7 @@ def make_plan(kernel: str, source_path, shape: dict, dtype: str, params: dict, d
     """The launch plan of `params` at one shape, from one sandbox run (None on any failure)."""
     spec = SPECS[kernel]
     try:
-        text = Path(source_path).read_bytes().decode("utf-8")
+        text = read_source(source_path).decode("utf-8")
         KernelSource.parse(text)
     except (OSError, UnicodeDecodeError, SourceError):
         return None
