@@ -7,6 +7,7 @@ waits that long for a busy lock (the daemon at start waits for a live apply to e
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import time
@@ -43,7 +44,13 @@ class WriterLock:
                 raise
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            try:
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError as exc:
+                # The pid is a courtesy to whoever finds the lock busy: a full disk must not
+                # make the lock a traceback (the journal's reserve then refuses in one line).
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
         except BaseException:
             # Ctrl-C between the flock and here: an fd left open would keep the lock held by
             # this very process, and the restore that follows would find it "busy".

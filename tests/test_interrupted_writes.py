@@ -256,6 +256,24 @@ def test_full_disk_refuses_before_the_first_hardware_write(tmp_path, small_tmpfs
     assert status_json(sim) == original
 
 
+def test_a_disk_with_not_one_byte_free_refuses_in_one_line_not_at_the_lock(tmp_path, small_tmpfs):
+    # The lock file is made (an inode) but its pid cannot be written: the lock still works
+    # and the journal's reserve refuses, before any write.
+    sim = make_sim(tmp_path)
+    original = status_json(sim)
+    state = small_tmpfs / "state"
+    filler = _fill(small_tmpfs, 0)
+    r = run_hwtune("--sim", sim, "--state-dir", state, "apply", "-p", "throughput")
+    assert r.returncode == 1, r.stderr
+    _no_traceback(r.stderr)
+    assert "nothing was written" in r.stderr.strip().splitlines()[-1]
+    assert status_json(sim) == original
+    filler.unlink()
+    assert run_hwtune("--sim", sim, "--state-dir", state, "apply", "-p", "throughput").returncode == 0
+    assert run_hwtune("--sim", sim, "--state-dir", state, "rollback").returncode == 0
+    assert status_json(sim) == original
+
+
 def test_a_disk_that_fills_up_mid_apply_is_absorbed_by_the_reserve(tmp_path, small_tmpfs):
     # The space set aside before the first write is what the rest of the journal uses when
     # something else fills the disk meanwhile: the apply completes, nothing is left behind.
