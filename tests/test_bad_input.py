@@ -174,6 +174,26 @@ def test_a_deeply_nested_profile_is_refused_not_a_recursion_error(tmp_path):
     assert "nested deeper" in line
 
 
+@pytest.mark.parametrize("how", ["fifo", "device", "include-device", "not-utf8"])
+def test_a_profile_that_is_a_fifo_a_device_or_not_utf8_is_one_line_never_a_hang(tmp_path, how):
+    sim = make_sim(tmp_path)
+    prof = tmp_path / "p.yaml"
+    if how == "fifo":
+        os.mkfifo(prof)  # nobody writes it: reading would wait forever
+    elif how == "device":
+        prof = Path("/dev/zero")  # never ends
+    elif how == "include-device":
+        prof.write_text("include: /dev/zero\ncpu:\n  governor: performance\n")
+    else:
+        prof.write_bytes(b"description: \"\xff\xfe\"\ncpu:\n  governor: performance\n")
+    written = os.stat(sim)
+    for cmd in ("plan", "apply", "verify"):
+        line = _one_line_error(run_hwtune("--sim", sim, cmd, "-p", prof, timeout=30), 2)
+        assert ("not a regular file" if how != "not-utf8" else "not UTF-8") in line, line
+    now = os.stat(sim)
+    assert (now.st_ino, now.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+
+
 # -- an unreadable sysfs file ------------------------------------------------------------
 
 @pytest.mark.parametrize("how", ["directory", "fifo", "binary"])
