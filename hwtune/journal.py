@@ -50,6 +50,17 @@ def read_journal(state_dir) -> dict | None:
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise HwtuneError(f"journal {path}: not a hwtune journal; `hwtune rollback` restores every entry "
                           "it can still read")
+    # Apply adds to this journal and status lists it: an entry or a run that is not one is
+    # damage to report here, never a TypeError half way through an apply.
+    for n, entry in enumerate(data["entries"], 1):
+        why = entry_problem(entry)
+        if why is not None:
+            raise HwtuneError(f"journal {path}: {_label(entry, n)}: {why}; `hwtune rollback` restores every "
+                              "entry it can still read")
+    runs = data.get("profiles", [])
+    if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+        raise HwtuneError(f"journal {path}: profiles: not a list of applies; `hwtune rollback` restores every "
+                          "entry it can still read")
     return data
 
 

@@ -278,6 +278,31 @@ def test_a_journal_that_is_not_one_is_one_line_and_exit_1(tmp_path, content):
     assert json.loads(sim.read_text())["gpus"][0]["persistence_mode"] is False
 
 
+@pytest.mark.parametrize("journal", [
+    {"status": "committed", "entries": [1]},
+    {"status": "committed", "entries": [{"target": "gpu0"}]},
+    {"status": "committed", "entries": [], "profiles": [1]},
+    {"status": "committed", "entries": [], "profiles": 5},
+], ids=["entry-not-an-object", "entry-missing-fields", "run-not-an-object", "runs-not-a-list"])
+def test_a_committed_journal_with_a_damaged_entry_is_refused_by_apply_and_shown_by_status(tmp_path, journal):
+    # A committed journal parses as a whole, so it is not "torn"; apply adds to it and status
+    # lists its runs: a damaged entry or run must be refused there, not a TypeError mid-apply.
+    sim = make_sim(tmp_path)
+    original = status_json(sim)
+    state = tmp_path / "host.json.state"
+    state.mkdir(mode=0o700)
+    (state / "journal.json").write_text(json.dumps(journal))
+    (state / "journal.json").chmod(0o600)
+    s = run_hwtune("--sim", sim, "status", "--json")
+    assert s.returncode == 0 and "Traceback" not in s.stderr, s.stderr
+    assert "error" in json.loads(s.stdout)["journal"]
+    r = run_hwtune("--sim", sim, "apply", "-p", "throughput")
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 2 and "hwtune rollback" in r.stderr  # sim line + reason
+    assert status_json(sim)["gpus"] == original["gpus"]
+    assert json.loads((state / "journal.json").read_text()) == journal  # left for rollback to name
+
+
 # -- 9: the CLI takes its profile only from a config the daemon would take -------------------
 
 @needs_root
