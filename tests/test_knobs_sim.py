@@ -57,6 +57,23 @@ def test_knob_round_trip_read_plan_apply_verify_rollback(tmp_path, name):
     assert engine.rollback(host, state, log=lambda line: None) == []
 
 
+@pytest.mark.parametrize("encoding", [6, 7])
+def test_a_reserved_max_read_request_encoding_found_on_the_device_is_rolled_back_exactly(tmp_path, encoding):
+    # Firmware can leave DevCtl bits 14:12 at a reserved encoding (6, 7: "8192", "16384").
+    # That is the original apply journals; rollback must put back those very bits, not keep
+    # the entry as "not a max read request size" with the host left at 4096.
+    devctl = (encoding << 12) | (1 << 11) | (1 << 8) | (1 << 5)
+    sim = make_sim(tmp_path, **{"pcie.0.devctl": devctl})
+    host = open_host(sim_path=sim)
+    state = tmp_path / "state"
+    profile = Profile.from_dict({"pcie": {"select": "nvidia", "max_read_request_bytes": 4096}})
+    engine.apply(host, profile, state, log=lambda line: None)
+    assert json.loads(sim.read_text())["pcie"][0]["devctl"] == (devctl & ~(7 << 12)) | (5 << 12)
+    engine.rollback(host, state, log=lambda line: None)
+    assert json.loads(sim.read_text())["pcie"][0]["devctl"] == devctl
+    assert not (state / "journal.json").exists()
+
+
 def test_cstate_limit_disables_only_deeper_states(tmp_path):
     sim = make_sim(tmp_path)
     host = open_host(sim_path=sim)

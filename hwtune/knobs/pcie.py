@@ -17,6 +17,9 @@ VENDOR_NVIDIA = "0x10de"
 VENDOR_MELLANOX = "0x15b3"
 BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 MRRS_BYTES = (128, 256, 512, 1024, 2048, 4096)
+# What the 3-bit field decodes to, reserved encodings 6 and 7 (8192, 16384) included: a
+# journaled original is what the device had, and rollback must be able to put it back.
+MRRS_FIELD_BYTES = tuple(128 << n for n in range(8))
 
 
 def decode_devctl(devctl: int) -> dict:
@@ -83,6 +86,6 @@ class PcieKnob(Knob):
     def original_problem(self, host, target, field, original):
         if field == "relaxed_ordering":
             return None if isinstance(original, bool) else f"original {original!r:.60} is not true or false"
-        if isinstance(original, bool) or original not in MRRS_BYTES:
-            return f"original {original!r:.60} is not a max read request size (128..4096)"
+        if isinstance(original, bool) or original not in MRRS_FIELD_BYTES:
+            return f"original {original!r:.60} is not a max read request field value (128..16384)"
         return None
