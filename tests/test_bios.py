@@ -1,4 +1,5 @@
 import json
+import os
 import socket
 import stat
 
@@ -85,6 +86,28 @@ def test_world_readable_credentials_file_is_refused(tmp_path):
     creds.chmod(0o644)
     with pytest.raises(UsageError, match=r"bmc.yaml: mode 0644 lets every user read the BMC password"):
         bios_from_config({"endpoint": "https://bmc.example", "credentials_file": str(creds)})
+
+
+@pytest.mark.parametrize("how", ["fifo", "not-utf8", "anchors"])
+def test_a_credentials_file_that_is_a_fifo_not_utf8_or_uses_anchors_is_one_line(tmp_path, how):
+    from conftest import run_hwtune
+
+    creds = tmp_path / "bmc.yaml"
+    if how == "fifo":
+        os.mkfifo(creds, 0o600)  # nobody writes it: reading would wait forever
+    elif how == "not-utf8":
+        creds.write_bytes(b"username: \"\xff\"\npassword: secret\n")
+    else:
+        creds.write_text("u: &u admin\nusername: *u\npassword: secret\n")
+    creds.chmod(0o600)
+    prof = tmp_path / "p.yaml"
+    prof.write_text(f"bios:\n  endpoint: https://127.0.0.1:1\n  credentials_file: {creds}\n"
+                    "  expect: {PowerProfile: MaxPerf}\n")
+    r = run_hwtune("--sysfs-root", tmp_path, "--state-dir", tmp_path / "s", "plan", "-p", prof, timeout=30)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "bios.credentials_file" in line and {"fifo": "not a regular file", "not-utf8": "not UTF-8",
+                                                 "anchors": "anchors"}[how] in line, line
 
 
 def test_bios_from_config_rejects_bad_sections():

@@ -143,18 +143,34 @@ def _short(exc: Exception, limit: int = 300, secrets=()) -> str:
 def read_credentials(path: Path) -> dict[str, Any]:
     """`username`, `password`, `verify_tls` (bool or a CA bundle path) from a YAML file that
     other users cannot read (it holds the BMC password)."""
+    from hwtune import yamlguard
+
     try:
-        with open(path, "rb") as fh:
+        # Read as the service config is: a FIFO or a device would block or never end.
+        fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
             st = os.fstat(fh.fileno())
-            text = fh.read().decode("utf-8")
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError(f"bios.credentials_file {path}: not a regular file")
+            raw = fh.read(yamlguard.MAX_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"bios.credentials_file {path}: cannot read: {exc.strerror or exc}") from None
     mode = stat.S_IMODE(st.st_mode)
     if mode & stat.S_IRWXO:
         raise UsageError(f"bios.credentials_file {path}: mode {mode:04o} lets every user read the BMC "
                          f"password; chmod o-rwx {path}")
+    if len(raw) > yamlguard.MAX_BYTES:
+        raise UsageError(f"bios.credentials_file {path}: larger than {yamlguard.MAX_BYTES >> 10} KiB")
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"bios.credentials_file {path}: not UTF-8 text") from None
+    try:
+        yamlguard.check(text)  # aliases, deep nesting: refused before the loader expands them
         data = yaml.safe_load(text) or {}
+    except yamlguard.Refused as exc:
+        where = f"{path}:{exc.line}" if exc.line else str(path)
+        raise UsageError(f"bios.credentials_file {where}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         raise UsageError(f"bios.credentials_file {path}: malformed YAML: {getattr(exc, 'problem', exc)}") from None
     if not isinstance(data, dict):
