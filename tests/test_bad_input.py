@@ -106,6 +106,18 @@ def test_a_sim_path_that_is_a_directory_is_bad_input(tmp_path):
     _one_line_error(run_hwtune("--sim", d, "plan"), 2)
 
 
+@pytest.mark.parametrize("how", ["fifo", "device"])
+def test_a_sim_path_that_is_a_fifo_or_a_device_is_bad_input_never_a_hang(tmp_path, how):
+    path = tmp_path / "host.json"
+    if how == "fifo":
+        os.mkfifo(path)  # nobody writes it: reading would wait forever
+    else:
+        path = Path("/dev/null")
+    for cmd in (["status"], ["plan"], ["apply"], ["rollback"]):
+        line = _one_line_error(run_hwtune("--sim", path, "--state-dir", tmp_path / "s", *cmd, timeout=30), 2)
+        assert "not a regular file" in line, line
+
+
 # -- hostile service configs -------------------------------------------------------------
 
 def _config(tmp_path, text: str) -> Path:

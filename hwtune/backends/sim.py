@@ -19,7 +19,9 @@ from __future__ import annotations
 import fcntl
 import json
 import math
+import os
 import re
+import stat
 import time
 import uuid
 from contextlib import contextmanager
@@ -296,7 +298,13 @@ class SimFile:
 
     def read_raw(self):
         try:
-            with open(self.path, "rb") as fh:
+            # Non-blocking, and only a regular file: a FIFO at the path would block forever.
+            fd = os.open(str(self.path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as fh:
+                mode = os.fstat(fh.fileno()).st_mode
+                if not stat.S_ISREG(mode):
+                    raise UsageError(f"simulated host {self.path}: cannot read: "
+                                     f"{'Is a directory' if stat.S_ISDIR(mode) else 'not a regular file'}")
                 raw = fh.read(MAX_SIM_BYTES + 1)
         except OSError as exc:
             raise UsageError(f"simulated host {self.path}: cannot read: {exc.strerror or exc}") from None
