@@ -77,6 +77,28 @@ def test_apply_writes_only_devctl_and_sysfs_files_and_rollback_restores_bytes(tm
     assert {k: restored[k].strip() for k in restored} == {k: original[k].strip() for k in original}
 
 
+@pytest.mark.parametrize("planted", ["config", "scaling_governor", "disable"])
+def test_a_link_that_leaves_the_sysfs_root_is_never_written_through(tmp_path, planted):
+    # A fixture tree someone else can edit: an attribute replaced by a link to a file outside
+    # the root. hwtune (root) must not write that file; the apply fails and is undone.
+    root = build(tmp_path / "root")
+    state = tmp_path / "state"
+    inside = {"config": "sys/bus/pci/devices/0000:18:00.0/config",
+              "scaling_governor": "sys/devices/system/cpu/cpu1/cpufreq/scaling_governor",
+              "disable": "sys/devices/system/cpu/cpu2/cpuidle/state3/disable"}[planted]
+    outside = tmp_path / "outside" / planted
+    outside.parent.mkdir()
+    outside.write_bytes((root / inside).read_bytes())
+    (root / inside).unlink()
+    (root / inside).symlink_to(outside)
+    before, original = outside.read_bytes(), snapshot(root)
+    r = _cli(root, state, "apply", "-p", write_profile(tmp_path, "p", PROFILE))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "outside the sysfs root" in r.stderr.strip().splitlines()[-1]
+    assert outside.read_bytes() == before
+    assert {k: v.strip() for k, v in snapshot(root).items()} == {k: v.strip() for k, v in original.items()}
+
+
 def test_select_by_class_and_by_bdf(tmp_path):
     root = build(tmp_path / "root")
     by_class = write_profile(tmp_path, "c", "pcie:\n  select: class:0x0207\n  relaxed_ordering: true\n")

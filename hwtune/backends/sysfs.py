@@ -71,9 +71,39 @@ def find_pcie_capability(config: bytes, where: str = "") -> int:
     raise ConfigSpaceUnavailable(where, "NotSupported", "no PCI Express capability (not a PCIe function)")
 
 
+def _outside(root_real: str, real: str) -> bool:
+    return root_real != "/" and not real.startswith(root_real + "/")
+
+
+def _check_inside(root_real: str, fd: int, path: Path) -> None:
+    """The file actually opened (not its name: a link in a fixture tree may point anywhere)
+    must lie under the sysfs root before hwtune writes it. Under a real /sys the PCI device
+    links stay inside /sys; with the root "/" there is nothing to check."""
+    if root_real == "/":
+        return
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        real = os.path.realpath(path)
+    if _outside(root_real, real):
+        raise HwtuneError(f"{path}: resolves to {real[:200]}, outside the sysfs root {root_real}; "
+                          "refusing to write it")
+
+
+def write_attr(root_real: str, path: Path, text: str) -> None:
+    """Write a sysfs attribute, never through a link that leaves the sysfs root (checked on
+    the resolved name: opening first would truncate the file it points at)."""
+    real = os.path.realpath(path)
+    if _outside(root_real, real):
+        raise HwtuneError(f"{path}: resolves to {real[:200]}, outside the sysfs root {root_real}; "
+                          "refusing to write it")
+    path.write_text(text)
+
+
 class SysfsPcie:
     def __init__(self, root: Path, guard_write: Callable[[str], None]):
         self.base = Path(root) / "sys/bus/pci/devices"
+        self.root_real = os.path.realpath(root)
         self.guard_write = guard_write
 
     def _read_attr(self, bdf: str, name: str) -> str:
@@ -138,6 +168,7 @@ class SysfsPcie:
         except PermissionError:
             raise KnobUnavailable(target, "devctl", "NoPermission (config space is writable by root only)") from None
         try:
+            _check_inside(self.root_real, fd, path)
             old = int.from_bytes(os.pread(fd, 2, offset), "little")
             new = (old & ~mask & 0xFFFF) | (bits & mask)
             if os.pwrite(fd, new.to_bytes(2, "little"), offset) != 2:
@@ -178,6 +209,7 @@ def _natural(name: str):
 class SysfsCpu:
     def __init__(self, root: Path, guard_write: Callable[[str], None]):
         self.base = Path(root) / "sys/devices/system/cpu"
+        self.root_real = os.path.realpath(root)
         self.guard_write = guard_write
 
     def _cpu_dirs(self) -> list:
@@ -214,7 +246,7 @@ class SysfsCpu:
             try:
                 if path.read_text().strip() == text:
                     continue
-                path.write_text(text)
+                write_attr(self.root_real, path, text)
                 wrote = True
             except PermissionError:
                 if wrote:
