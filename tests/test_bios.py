@@ -68,6 +68,46 @@ def test_unreachable_bmc_is_a_clear_error_naming_the_endpoint():
     assert "Traceback" not in message and len(message) < 500
 
 
+def test_a_bmc_that_trickles_its_answer_is_cut_off_at_the_deadline_not_waited_for_ever():
+    # requests' read timeout is per socket read: one byte a second never trips it.
+    import threading
+    import time
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    stop = threading.Event()
+
+    def trickle():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            try:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 99999\r\n\r\n")
+                while not stop.is_set():
+                    conn.sendall(b" ")
+                    time.sleep(0.5)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    threading.Thread(target=trickle, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+    started = time.monotonic()
+    try:
+        with pytest.raises(BiosError, match=r"no complete answer within 3 s"):
+            RedfishBios(endpoint, timeout_s=2, deadline_s=3).attributes()
+        assert time.monotonic() - started < 10
+    finally:
+        stop.set()
+        server.close()
+
+
 def test_bios_from_config_reads_credentials_file_relative_to_the_profile(redfish_server, tmp_path):
     creds = tmp_path / "bmc.yaml"
     creds.write_text("username: admin\npassword: secret\nverify_tls: false\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -39,7 +40,7 @@ class RedfishBios:
 
     def __init__(self, endpoint: str, username: str | None = None, password: str | None = None,
                  system_id: str | None = None, verify_tls: bool | str = True,
-                 timeout_s: float = 30, allow_insecure_http: bool = False):
+                 timeout_s: float = 30, allow_insecure_http: bool = False, deadline_s: float = 40):
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise UsageError(f"bios.endpoint={redact.text(str(endpoint))[:80]!r}: expected a URL such as "
                              "https://bmc.example")
@@ -60,6 +61,7 @@ class RedfishBios:
         self.system_id = system_id
         self.verify_tls = verify_tls
         self.timeout_s = timeout_s
+        self.deadline_s = deadline_s
 
     def __repr__(self) -> str:
         return f"RedfishBios({self.endpoint!r}, system_id={self.system_id!r})"
@@ -104,6 +106,28 @@ class RedfishBios:
         raise BiosError(f"redfish {self.endpoint}: no system {self.system_id!r}{hint}; systems: {', '.join(ids)}")
 
     def attributes(self) -> dict[str, str | int | bool]:
+        """The attributes within `deadline_s` in all: requests' read timeout is per socket
+        read, so a BMC that trickles a byte a second would otherwise hold plan, apply and
+        verify for ever. The reader runs in a daemon thread left behind on timeout."""
+        box: dict = {}
+
+        def read() -> None:
+            try:
+                box["attributes"] = self._attributes()
+            except BaseException as exc:  # handed to the caller below
+                box["error"] = exc
+
+        reader = threading.Thread(target=read, name="redfish-bios", daemon=True)
+        reader.start()
+        reader.join(self.deadline_s)
+        if reader.is_alive():
+            raise BiosError(f"redfish {self.endpoint}: no complete answer within {self.deadline_s:g} s "
+                            "(the BMC answers too slowly)")
+        if "error" in box:
+            raise box["error"]
+        return box["attributes"]
+
+    def _attributes(self) -> dict[str, str | int | bool]:
         import sushy.exceptions as sx
 
         try:
