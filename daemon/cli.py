@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 
@@ -37,6 +38,33 @@ def _tell(line: str) -> None:
     """The last word on stderr; a terminal that is gone must not change the exit code."""
     try:
         print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+class _Watched:
+    """stdout that remembers whether anything was written (--json: one document, even on error)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.wrote = False
+
+    def write(self, text):
+        if text:
+            self.wrote = True
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _json_error(out: "_Watched | None", message: str, rc: int) -> None:
+    """--json promises one JSON document on stdout: a failure before the command printed its
+    own is one too ({"ok": false, "error", "exit_code"}); the reason stays on stderr as well."""
+    if out is None or out.wrote:
+        return
+    try:
+        out.write(json.dumps({"ok": False, "error": message, "exit_code": rc}) + "\n")
     except (OSError, ValueError):
         pass
 
@@ -151,21 +179,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ctx = Context.from_args(args)
     rc = 0
+    out = None
+    if getattr(args, "json", False) and not isinstance(sys.stdout, _Watched):
+        out = sys.stdout = _Watched(sys.stdout)
     try:
         try:
             rc = int(args._run(args, ctx) or 0)
         except HwtuneError as exc:
             rc = exc.exit_code
             _tell(f"hwtune {args.command}: {exc}")
+            _json_error(out, str(exc), rc)
         except KeyboardInterrupt:
             rc = 130
             _tell(f"hwtune {args.command}: interrupted")
+            _json_error(out, "interrupted", rc)
         sys.stdout.flush()  # here, where a closed pipe can still be caught
         return rc
     except BrokenPipeError:
         # The reader left (`hwtune status | head -3`): it has what it wanted; nothing to say.
         _quiet_broken_pipe()
         return rc
+    finally:
+        if out is not None and sys.stdout is out:
+            sys.stdout = out.stream
 
 
 if __name__ == "__main__":

@@ -146,3 +146,32 @@ def test_tune_table_marks_points_below_the_throughput_floor(tmp_path):
         assert below or status.startswith("ok")
     assert any(status.startswith("below floor") for _, _, status in rows)  # the search probes under it
     assert sum(status.endswith(", best") for _, _, status in rows) == 1
+
+
+def test_json_is_one_document_on_every_error_path_with_the_exit_code(tmp_path):
+    # --json promises one JSON document on stdout: a failure is one too, never an empty stdout.
+    from hwtune.backends.sim import SimFile
+
+    sim = make_sim(tmp_path)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gpu:\n  power_limit_w: -5\n")
+
+    def doc(*args, env=None):
+        r = run_hwtune("--sim", sim, *args, "--json", env=env)
+        d = json.loads(r.stdout)
+        assert r.returncode != 0 and d["ok"] is False and d["exit_code"] == r.returncode, (r.stdout, r.stderr)
+        assert d["error"] in r.stderr
+        return r.returncode
+
+    assert doc("plan", "-p", bad) == 2
+    assert doc("verify", "-p", "no-such-profile") == 2
+    assert doc("apply", env={"HWTUNE_READ_ONLY": "1"}) == 4
+    SimFile(sim).update(lambda d: d.__setitem__("faults", [{"op": "set_locked_sm_clocks", "gpu": 1,
+                                                            "error": "GpuIsLost"}]))
+    assert doc("apply") == 1
+    SimFile(sim).update(lambda d: d.__setitem__("faults", []))
+    assert run_hwtune("--sim", sim, "apply").returncode == 0
+    SimFile(sim).update(lambda d: d.__setitem__("faults", [{"op": "set_persistence_mode", "error": "Unknown"}]))
+    assert doc("rollback") == 1  # incomplete: the journal stays
+    assert doc("apply") == 3  # and apply refuses until it is rolled back
+
