@@ -226,25 +226,18 @@ def load_config(path: Path | str | None = None, require_secure: bool = True) -> 
         path = DEFAULT_CONFIG_PATH
     path = Path(path)
     try:
-        # Check the mode of the file actually read (fstat on the open descriptor), not of
-        # whatever the path points at a moment later.
-        fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise UsageError(f"{path}: not a regular file")
-            if require_secure:
-                check_secure(path, st)
-            raw = fh.read(yamlguard.MAX_BYTES + 1)
-            if len(raw) > yamlguard.MAX_BYTES:
-                raise UsageError(f"{path}: larger than {yamlguard.MAX_BYTES >> 10} KiB; not a hwtune config")
-            text = raw.decode("utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"{path}: config file not found") from None
+        # the mode checked is the file's actually read (fstat on the open descriptor), not
+        # whatever the path points at a moment later
+        raw, st = yamlguard.read_input(path)
+    except yamlguard.Unreadable as exc:
+        raise UsageError(f"{path}: config file not found" if exc.missing
+                         else f"{path}: {exc.problem}") from None
+    if require_secure:
+        check_secure(path, st)
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise UsageError(f"{path}: cannot read the config: not UTF-8 text") from None
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read the config: {exc.strerror or exc}") from None
     try:
         yamlguard.check(text)  # deep nesting, aliases, duplicate keys: refused before composing
         data = yaml.safe_load(text)

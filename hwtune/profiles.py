@@ -12,9 +12,7 @@ judge (power limit constraints, supported clocks, offered governors) are checked
 from __future__ import annotations
 
 import difflib
-import os
 import re
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -170,23 +168,13 @@ def _to_python(node, path: str, file: str, marks: dict):
 
 
 def _read_text(path: Path) -> str:
-    """The file's text, read as the service config is: a FIFO or a device (`-p /dev/zero`,
-    `include: /dev/stdin`) would block or never end, so only a regular file is read, and
-    only up to the size limit; bytes that are not UTF-8 are one line, not a traceback."""
+    """The file's text (yamlguard.read_input: a regular file only, size-capped); bytes that are
+    not UTF-8 are one line, not a traceback."""
     file = str(path)
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as fh:
-            mode = os.fstat(fh.fileno()).st_mode
-            if stat.S_ISDIR(mode):
-                raise ProfileError("cannot read: Is a directory", file)
-            if not stat.S_ISREG(mode):
-                raise ProfileError("cannot read: not a regular file", file)
-            raw = fh.read(yamlguard.MAX_BYTES + 1)
-    except OSError as exc:
-        raise ProfileError(f"cannot read: {exc.strerror or exc}", file) from None
-    if len(raw) > yamlguard.MAX_BYTES:
-        raise ProfileError(f"larger than {yamlguard.MAX_BYTES >> 10} KiB", file)
+        raw, _ = yamlguard.read_input(path)
+    except yamlguard.Unreadable as exc:
+        raise ProfileError(exc.problem, file) from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -7,6 +7,9 @@ scalar, a duplicate key. The answer names the line and the dotted key, never the
 """
 from __future__ import annotations
 
+import os
+import stat
+
 import yaml
 
 MAX_BYTES = 1 << 20
@@ -18,6 +21,44 @@ class Refused(Exception):
     def __init__(self, problem: str, line: int | None = None, key: str | None = None):
         self.problem, self.line, self.key = problem, line, key
         super().__init__(problem)
+
+
+class Unreadable(Exception):
+    """The input file could not be read as one (`missing`: it does not exist)."""
+
+    def __init__(self, problem: str, missing: bool = False):
+        self.problem, self.missing = problem, missing
+        super().__init__(problem)
+
+
+def read_input(path, limit: int = MAX_BYTES) -> tuple[bytes, os.stat_result]:
+    """(bytes, fstat) of an input file that drives root actions (a profile, the service config,
+    the BMC credentials, the simulated host). Opened without blocking and read only when it is
+    a regular file: a FIFO or a device (`-p /dev/zero`) would block or never end; a file past
+    `limit` bytes is refused without being read whole. Raises Unreadable with one phrase."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Unreadable(f"cannot read: {exc.strerror or exc}", isinstance(exc, FileNotFoundError)) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Unreadable(f"cannot read: {'Is a directory' if stat.S_ISDIR(st.st_mode) else 'not a regular file'}")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 16, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        raw = b"".join(chunks)
+    except OSError as exc:
+        raise Unreadable(f"cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > limit:
+        raise Unreadable(f"larger than {limit >> 20} MiB" if limit % (1 << 20) == 0 else f"larger than {limit >> 10} KiB")
+    return raw, st
 
 
 def check(text: str) -> None:

@@ -7,7 +7,6 @@ backends (Redfish here, racadm / ilorest in hwtune.backends.vendor).
 from __future__ import annotations
 
 import difflib
-import os
 import stat
 import threading
 from pathlib import Path
@@ -170,21 +169,13 @@ def read_credentials(path: Path) -> dict[str, Any]:
     from hwtune import yamlguard
 
     try:
-        # Read as the service config is: a FIFO or a device would block or never end.
-        fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise UsageError(f"bios.credentials_file {path}: not a regular file")
-            raw = fh.read(yamlguard.MAX_BYTES + 1)
-    except OSError as exc:
-        raise UsageError(f"bios.credentials_file {path}: cannot read: {exc.strerror or exc}") from None
+        raw, st = yamlguard.read_input(path)
+    except yamlguard.Unreadable as exc:
+        raise UsageError(f"bios.credentials_file {path}: {exc.problem}") from None
     mode = stat.S_IMODE(st.st_mode)
     if mode & stat.S_IRWXO:
         raise UsageError(f"bios.credentials_file {path}: mode {mode:04o} lets every user read the BMC "
                          f"password; chmod o-rwx {path}")
-    if len(raw) > yamlguard.MAX_BYTES:
-        raise UsageError(f"bios.credentials_file {path}: larger than {yamlguard.MAX_BYTES >> 10} KiB")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -19,15 +19,14 @@ from __future__ import annotations
 import fcntl
 import json
 import math
-import os
 import re
-import stat
 import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
+from hwtune import yamlguard
 from hwtune.backends import UNAVAILABLE_REASONS, DeviceError, write_json_atomic
 from hwtune.errors import HwtuneError, KnobUnavailable, UsageError
 
@@ -298,18 +297,9 @@ class SimFile:
 
     def read_raw(self):
         try:
-            # Non-blocking, and only a regular file: a FIFO at the path would block forever.
-            fd = os.open(str(self.path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as fh:
-                mode = os.fstat(fh.fileno()).st_mode
-                if not stat.S_ISREG(mode):
-                    raise UsageError(f"simulated host {self.path}: cannot read: "
-                                     f"{'Is a directory' if stat.S_ISDIR(mode) else 'not a regular file'}")
-                raw = fh.read(MAX_SIM_BYTES + 1)
-        except OSError as exc:
-            raise UsageError(f"simulated host {self.path}: cannot read: {exc.strerror or exc}") from None
-        if len(raw) > MAX_SIM_BYTES:
-            raise UsageError(f"simulated host {self.path}: larger than {MAX_SIM_BYTES >> 20} MiB")
+            raw, _ = yamlguard.read_input(self.path, MAX_SIM_BYTES)
+        except yamlguard.Unreadable as exc:
+            raise UsageError(f"simulated host {self.path}: {exc.problem}") from None
         try:
             return json.loads(raw.decode("utf-8"),
                               parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} is not a number")))
