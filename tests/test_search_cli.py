@@ -51,6 +51,16 @@ def test_unknown_dtype_is_a_usage_error_not_a_traceback(tmp_path):
         assert "Traceback" not in proc.stderr
 
 
+
+def test_a_source_that_is_missing_or_a_directory_is_a_usage_error_before_the_search(tmp_path):
+    for source, why in ((tmp_path / "nosuch.py", "no such file"), (tmp_path, "a directory")):
+        proc = run_hwtune("--state-dir", tmp_path / "state", "search", "rmsnorm", "--device", "cpu",
+                          "--budget", "1", "--source", source)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip() == f"hwtune search: --source {source}: {why}" + \
+            (", not a template file" if why == "a directory" else "")
+        assert not (tmp_path / "state").exists()
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the config must be owned by root (and only root drops to a user)")
 def test_agent_user_defaults_to_the_configs_unprivileged_user(tmp_path):
     from types import SimpleNamespace
