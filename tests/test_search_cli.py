@@ -61,6 +61,23 @@ def test_a_source_that_is_missing_or_a_directory_is_a_usage_error_before_the_sea
             (", not a template file" if why == "a directory" else "")
         assert not (tmp_path / "state").exists()
 
+
+def test_a_ledger_or_dispatch_out_that_cannot_be_written_is_refused_before_the_search(tmp_path):
+    regular = tmp_path / "regular-file"
+    regular.write_text("x")
+    cases = [("--ledger", tmp_path, "a directory, not a file"),
+             ("--dispatch-out", tmp_path, "a directory, not a file"),
+             ("--dispatch-out", regular / "table.json", f"directory {regular} cannot be created or written: "
+                                                          "exists and is not a directory"),
+             ("--ledger", regular / "ledger.sqlite", f"directory {regular} cannot be created or written")]
+    for flag, path, why in cases:
+        proc = run_hwtune("--state-dir", tmp_path / "state", "search", "rmsnorm", "--device", "cpu",
+                          "--budget", "1", "--shape", "M=1,N=128", flag, path, timeout=300)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.startswith(f"hwtune search: {flag} {path}: {why}"), proc.stderr
+        assert "shape 1/1" not in proc.stderr   # refused before the search started
+        assert not (tmp_path / "state").exists()
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the config must be owned by root (and only root drops to a user)")
 def test_agent_user_defaults_to_the_configs_unprivileged_user(tmp_path):
     from types import SimpleNamespace

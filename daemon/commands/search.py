@@ -151,6 +151,14 @@ def run_search(args, ctx) -> int:
         raise UsageError(f"--source {args.source}: "
                          + ("a directory, not a template file" if args.source.is_dir() else "no such file"))
     device = resolve_device(args.device)
+    from daemon.context import ensure_writable_dir
+
+    # checked before the search: its end (the table written) can be many minutes away
+    for flag, path in (("--ledger", args.ledger), ("--dispatch-out", args.dispatch_out)):
+        if path is not None:
+            if path.is_dir():
+                raise UsageError(f"{flag} {path}: a directory, not a file")
+            ensure_writable_dir(path.parent, f"{flag} {path}: directory", f"choose another {flag} FILE")
     ctx.ensure_state_dir()
     agent = None
     if args.strategy == "agent":
