@@ -75,6 +75,15 @@ def test_params_override_and_bad_input_exit_2(tmp_path):
     assert run_hwtune("check-kernel", "matmul", CANDIDATES / "honest_matmul.py", "--params", "[1]").returncode == 2
 
 
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_a_usage_error(timeout):
+    # before: -1 rejected an honest candidate by guard timeout (exit 1); 0 meant the default
+    proc = run_hwtune("check-kernel", "matmul", CANDIDATES / "honest_matmul.py", "--no-time",
+                      "--timeout", timeout, timeout=600)
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr.startswith("hwtune check-kernel: --timeout ") and "a positive number of seconds" in proc.stderr
+
 @pytest.mark.parametrize("kernel", SPECS)
 def test_builtin_templates_pass_the_verifier(kernel):
     """H4's templates follow the same contract (their first CONFIG; an odd shape and bf16)."""

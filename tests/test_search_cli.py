@@ -43,6 +43,16 @@ def test_unknown_kernel_and_agent_without_command_are_usage_errors(tmp_path):
     assert proc.returncode == 2 and "--agent-command" in proc.stderr
 
 
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan"])
+def test_a_timeout_that_is_not_a_positive_number_of_seconds_is_a_usage_error(tmp_path, timeout):
+    # before: every candidate was rejected as timed out (-5) or the default applied (0), exit 0
+    proc = run_hwtune("--state-dir", tmp_path / "state", "search", "rmsnorm", "--device", "cpu",
+                      "--budget", "1", "--shape", "M=1,N=128", "--timeout-s", timeout)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("hwtune search: --timeout-s ") and "a positive number of seconds" in proc.stderr
+    assert not (tmp_path / "state").exists()
+
+
 def test_unknown_dtype_is_a_usage_error_not_a_traceback(tmp_path):
     for extra in (("--dtype", "bf16"), ("--shape", "M=3,N=130,dtype=half")):
         proc = run_hwtune("--state-dir", tmp_path, "search", "rmsnorm", "--device", "cpu",

@@ -66,6 +66,9 @@ def run_check_kernel(args, ctx) -> int:
         raise UsageError(f"unknown kernel {args.kernel!r}: expected one of {', '.join(SPECS)}")
     if not args.file.is_file():
         raise UsageError(f"{args.file}: no such file")
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        # 0 would silently mean the default, a negative number a rejected candidate
+        raise UsageError(f"--timeout {args.timeout:g}: a positive number of seconds")
     device = resolve_device(args.device)
     if args.dtype is not None and args.dtype not in DTYPES:
         raise UsageError(f"--dtype {args.dtype}: expected one of {', '.join(DTYPES)}")
