@@ -71,7 +71,11 @@ def test_params_override_and_bad_input_exit_2(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["params"] == {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16}
     assert run_hwtune("check-kernel", "nope", CANDIDATES / "honest_matmul.py").returncode == 2
-    assert run_hwtune("check-kernel", "matmul", tmp_path / "missing.py").returncode == 2
+    missing = run_hwtune("check-kernel", "matmul", tmp_path / "missing.py")
+    assert missing.returncode == 2 and missing.stderr.strip().endswith("missing.py: no such file")
+    folder = run_hwtune("check-kernel", "matmul", tmp_path)
+    assert folder.returncode == 2, folder.stderr
+    assert folder.stderr.strip() == f"hwtune check-kernel: {tmp_path}: a directory, not a candidate file"
     assert run_hwtune("check-kernel", "matmul", CANDIDATES / "honest_matmul.py", "--params", "[1]").returncode == 2
 
 
