@@ -212,6 +212,15 @@ def test_command_that_prints_no_metric_fails(tmp_path, hwtune_cli):
     assert json.loads(proc.stdout)["workload"]["metric"] is None
 
 
+def test_a_metric_regex_that_does_not_compile_is_refused_before_the_command_runs(tmp_path, hwtune_cli):
+    marker = tmp_path / "ran"
+    proc = hwtune_cli("--state-dir", tmp_path / "state", "bench", "--device", "cpu",
+                      "--command", f"touch {marker}", "--metric-regex", "tokens/s: (")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("hwtune bench: --metric-regex 'tokens/s: (': not a regular expression")
+    assert not marker.exists()
+
+
 def test_metric_parser_reads_json_lines_and_custom_regexes():
     assert parse_metric('{"metric": 5.5, "unit": "req/s"}\nnoise') == (5.5, '{"metric": 5.5, "unit": "req/s"}')
     assert parse_metric("tokens/s=10\n{\"metric\": 7}")[0] == 7.0

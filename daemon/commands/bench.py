@@ -157,6 +157,13 @@ def run_bench(args, ctx) -> int:
             raise UsageError(f"--table {args.table}: no such file")
     if args.steps < 20:
         raise UsageError(f"--steps {args.steps}: at least 20 steps for a median")
+    if args.metric_regex is not None:
+        import re
+
+        try:
+            re.compile(args.metric_regex)
+        except re.error as exc:
+            raise UsageError(f"--metric-regex {args.metric_regex!r}: not a regular expression ({exc})") from None
     baseline = _load_json(args.baseline, "--baseline") if args.baseline else None
     out_dir = args.out
     if out_dir is None and baseline is not None:
