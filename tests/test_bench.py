@@ -233,6 +233,22 @@ def test_bad_shapes_are_refused_with_exit_2(tmp_path, hwtune_cli):
     assert proc.returncode == 2 and "8by2048" in proc.stderr
 
 
+@pytest.mark.parametrize("flag,value,why", [("--layers", "0", "at least 1"), ("--layers", "-1", "at least 1"),
+                                            ("--vocab", "0", "at least 1"), ("--warmup", "-1", "at least 0"),
+                                            ("--budget-s", "-1", "a positive number of seconds"),
+                                            ("--budget-s", "nan", "a positive number of seconds"),
+                                            ("--energy-window-s", "1", "0 (no energy) or at least 2 seconds"),
+                                            ("--energy-window-s", "-3", "0 (no energy) or at least 2 seconds")])
+def test_model_size_warmup_and_time_options_out_of_range_are_refused_before_measuring(tmp_path, hwtune_cli,
+                                                                                     flag, value, why):
+    # before: --layers 0 / --vocab 0 measured an empty model "ok", --layers -1 ended in error rows,
+    # --budget-s -1 skipped every measurement (exit 1), --warmup -1 timed the first calls
+    proc = hwtune_cli("--state-dir", tmp_path / "state", "bench", "--device", "cpu", "--variants", "eager",
+                      flag, value, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr.strip() == f"hwtune bench: {flag} {value}: {why}"
+
+
 def _fixture_root(tmp_path, flags, dmi):
     (tmp_path / "proc").mkdir(parents=True)
     (tmp_path / "proc" / "cpuinfo").write_text(

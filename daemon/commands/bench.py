@@ -6,6 +6,7 @@ never sets anything.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -157,6 +158,15 @@ def run_bench(args, ctx) -> int:
             raise UsageError(f"--table {args.table}: no such file")
     if args.steps < 20:
         raise UsageError(f"--steps {args.steps}: at least 20 steps for a median")
+    for flag, value, least in (("--layers", args.layers, 1), ("--vocab", args.vocab, 1),
+                               ("--warmup", args.warmup, 0)):
+        if value is not None and value < least:
+            raise UsageError(f"{flag} {value}: at least {least}")
+    if not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        raise UsageError(f"--budget-s {args.budget_s:g}: a positive number of seconds")
+    if not (args.energy_window_s == 0 or (math.isfinite(args.energy_window_s) and args.energy_window_s >= 2)):
+        # NVML's energy counter needs a window of seconds to say anything (see the help)
+        raise UsageError(f"--energy-window-s {args.energy_window_s:g}: 0 (no energy) or at least 2 seconds")
     if args.metric_regex is not None:
         import re
 
