@@ -174,6 +174,16 @@ def test_share_export_of_an_unknown_kernel_is_a_usage_error(tmp_path):
     assert "rmsnorm" in line and not out.exists()
 
 
+def test_share_export_to_a_directory_or_under_a_missing_one_is_one_line(tmp_path):
+    state = tmp_path / "state"
+    run_hwtune("--state-dir", state, "search", "rmsnorm", "--device", "cpu", "--budget", "1",
+               "--shape", "M=1,N=128", check=True, timeout=300)   # something to export
+    for out, why in ((tmp_path, "Is a directory"), (tmp_path / "no" / "b.json", "No such file or directory")):
+        line = one_line(run_hwtune("--state-dir", state, "share", "export", "-o", out),
+                        f"hwtune share: --output {out}: ")
+        assert line.endswith(why)
+
+
 @pytest.mark.parametrize("argv,hint", [
     (("status", "--sim", "{sim}"), "hwtune status: --sim is a global option: global options go before the command: "
                                    "hwtune --sim {sim} status"),

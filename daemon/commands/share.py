@@ -61,7 +61,10 @@ def run_share(args, ctx) -> int:
         if args.output == "-":
             sys.stdout.write(text)
         else:
-            Path(args.output).write_text(text)
+            try:
+                Path(args.output).write_text(text)
+            except OSError as exc:
+                raise UsageError(f"--output {args.output}: {exc.strerror or exc}") from None
         for note in bundle["notes"]:
             print(f"note: {note}", file=sys.stderr)
         entries = len((bundle["dispatch"] or {}).get("entries", []))
