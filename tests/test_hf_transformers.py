@@ -254,6 +254,15 @@ def test_patching_twice_is_refused():
         patch(model, counting_table())
 
 
+def test_a_table_path_instead_of_a_table_is_a_type_error_naming_the_loaders(tmp_path):
+    model = tiny_model("Llama")
+    before = list(model.modules())
+    for wrong in (str(tmp_path / "table.json"), tmp_path / "table.json", {"entries": []}):
+        with pytest.raises(TypeError, match=r"expected a kernelsearch.dispatch.DispatchTable, got .*DispatchTable.load"):
+            patch(model, table=wrong)
+    assert _unchanged(model, before) and patched_report(model) is None
+
+
 def _unchanged(model, before) -> bool:
     return all(a is b for a, b in zip(before, model.modules())) and len(before) == len(list(model.modules()))
 

@@ -765,6 +765,10 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
     stock."""
     if getattr(model, "_hwtune_patch", None) is not None:
         raise ValueError("model is already patched by hwtune: unpatch(model) first")
+    if table is not None and not isinstance(table, dispatch.DispatchTable):
+        raise TypeError(f"table: expected a kernelsearch.dispatch.DispatchTable, got {type(table).__name__} "
+                        "(DispatchTable.load(path) reads a table file, DispatchTable.for_device(state_dir) "
+                        "this device's)")
     report = PatchReport(type(model).__name__)
     table = table if table is not None else dispatch.current()
     problem = None
