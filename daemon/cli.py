@@ -133,11 +133,21 @@ def _quiet_broken_pipe() -> None:
             pass
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hwtune")
+    except PackageNotFoundError:   # run from a checkout that was never pip-installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="hwtune",
         description="Tune an owned GPU host: hardware knobs, Triton kernels, end-to-end proof.",
     )
+    parser.add_argument("--version", action="version", version=f"hwtune {_version()}")
     Context.add_global_arguments(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.command_parsers = {}

@@ -198,6 +198,14 @@ def test_a_misplaced_or_bad_option_says_where_it_goes_in_one_line(tmp_path, argv
     one_line(run_hwtune(*argv), hint.replace("{sim}", str(sim)))
 
 
+def test_version_prints_the_installed_version_and_exits_0():
+    from daemon.cli import _version
+
+    proc = run_hwtune("--version")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout == f"hwtune {_version()}\n"
+
+
 def test_status_into_a_closed_pipe_exits_quietly(tmp_path):
     sim = make_sim(tmp_path, gpus=8)
     for extra in ((), ("--json",)):
