@@ -401,9 +401,12 @@ def load(name_or_path: str, profile_dir=None) -> Profile:
         raise ProfileError(why, shown, None, "profile")
     path = _find(str(name_or_path), None, profile_dir)
     if path is None:
+        hint = _hint(name_or_path, _known_names(profile_dir))
+        if Path(name_or_path).is_file():
+            # a bare name is a profile name: a file of that name here is read only as a path
+            hint = f"the file {name_or_path} here is read as a path only: -p ./{name_or_path}"
         raise ProfileError(f"profile {name_or_path!r} not found (looked in {profile_dir or '-'} and the shipped profiles: "
-                           f"{', '.join(_known_names(profile_dir))})", str(name_or_path), None, None,
-                           _hint(name_or_path, _known_names(profile_dir)))
+                           f"{', '.join(_known_names(profile_dir))})", str(name_or_path), None, None, hint)
     marks: dict = {}
     data = _parse(path, marks)
     key = str(path.resolve())

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
 
-from conftest import run_hwtune
+from conftest import ROOT, run_hwtune
 from fixtures.simhost import make_sim, write_profile
 from hwtune import profiles
 from hwtune.errors import ProfileError
@@ -119,6 +122,21 @@ def test_unknown_profile_name_suggests_a_shipped_one(tmp_path):
     sim = make_sim(tmp_path)
     proc = run_hwtune("--sim", sim, "plan", "-p", "efficency")
     assert proc.returncode == 2 and "did you mean 'efficiency'" in proc.stderr
+
+
+def test_a_profile_file_here_without_yaml_suffix_is_pointed_to_as_a_path(tmp_path):
+    sim = make_sim(tmp_path)
+    (tmp_path / "myprofile").write_text("cpu:\n  governor: performance\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def plan(profile):   # run from the profile's directory, as a user who just wrote it
+        return subprocess.run([sys.executable, "-m", "daemon.cli", "--sim", str(sim), "plan", "-p", profile],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+    proc = plan("myprofile")
+    assert proc.returncode == 2 and "profile 'myprofile' not found" in proc.stderr
+    assert "the file myprofile here is read as a path only: -p ./myprofile" in proc.stderr
+    assert plan("./myprofile").returncode == 0
 
 
 def test_percent_power_limit_is_of_the_default_limit(tmp_path):
