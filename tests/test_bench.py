@@ -221,6 +221,19 @@ def test_a_metric_regex_that_does_not_compile_is_refused_before_the_command_runs
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("flag", ["--from-results", "--baseline"])
+@pytest.mark.parametrize("text", ["[1, 2]", "{}", '"results"'])
+def test_a_json_file_that_is_not_a_results_document_is_a_usage_error(tmp_path, hwtune_cli, flag, text):
+    # before: a JSON list was an AttributeError traceback, {} an exit 1 with nothing said
+    doc = tmp_path / "other.json"
+    doc.write_text(text)
+    proc = hwtune_cli("--state-dir", tmp_path / "state", "bench", flag, doc, "--command", "true")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == f"hwtune bench: {flag} {doc}: not a results document of hwtune bench " \
+                                  "(its results.json: decode, prefill or workload results)"
+    assert not (tmp_path / "state").exists()
+
+
 def test_metric_parser_reads_json_lines_and_custom_regexes():
     assert parse_metric('{"metric": 5.5, "unit": "req/s"}\nnoise') == (5.5, '{"metric": 5.5, "unit": "req/s"}')
     assert parse_metric("tokens/s=10\n{\"metric\": 7}")[0] == 7.0

@@ -84,11 +84,15 @@ def add_bench_arguments(p) -> None:
 
 def _load_json(path: Path, what: str) -> dict:
     try:
-        return json.loads(Path(path).read_text())
+        doc = json.loads(Path(path).read_text())
     except OSError as exc:
         raise UsageError(f"{what} {path}: {exc.strerror or exc}") from exc
     except ValueError as exc:
         raise UsageError(f"{what} {path}: not JSON ({exc})") from exc
+    if not isinstance(doc, dict) or not any(doc.get(k) for k in ("decode", "prefill", "workload")):
+        raise UsageError(f"{what} {path}: not a results document of hwtune bench "
+                         "(its results.json: decode, prefill or workload results)")
+    return doc
 
 
 MODELS = ("builtin", "hf-llama")
