@@ -95,7 +95,10 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
+        _Parser.last_error = f"{self.prog}: {message}"
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+    last_error: str | None = None
 
 
 def _misplaced(argv: list[str], extra: list[str]) -> str | None:
@@ -170,7 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, extra = parser.parse_known_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+    except SystemExit as exc:
+        # --json promises one JSON document on stdout, a usage error's too
+        if exc.code == 2 and "--json" in argv and _Parser.last_error:
+            _json_error(_Watched(sys.stdout), _Parser.last_error, 2)
+        raise
     if extra:
         hint = _misplaced(argv, extra) if args.command else None
         if args.command and not hint:
@@ -179,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             if early:
                 hint = f"{early[0]} is an option of {args.command}: it goes after the command"
         where = f"hwtune {args.command}" if args.command else "hwtune"
-        parser.exit(2, f"{where}: {hint or 'unrecognized arguments: ' + ' '.join(extra)} "
-                       f"(see {where} --help)\n")
+        message = f"{where}: {hint or 'unrecognized arguments: ' + ' '.join(extra)}"
+        if "--json" in argv:
+            _json_error(_Watched(sys.stdout), message, 2)
+        parser.exit(2, f"{message} (see {where} --help)\n")
     if not args.command:
         parser.print_help()
         return 2

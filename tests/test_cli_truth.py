@@ -174,4 +174,6 @@ def test_json_is_one_document_on_every_error_path_with_the_exit_code(tmp_path):
     SimFile(sim).update(lambda d: d.__setitem__("faults", [{"op": "set_persistence_mode", "error": "Unknown"}]))
     assert doc("rollback") == 1  # incomplete: the journal stays
     assert doc("apply") == 3  # and apply refuses until it is rolled back
+    assert doc("plan", "--bogus") == 2  # a usage error too (argparse's own and hwtune's)
+    assert doc("plan", "-p") == 2
 
