@@ -194,6 +194,43 @@ def _wait_leader(pid: int, timeout_s: float) -> bool:
         delay = min(delay * 2, 0.1)
 
 
+def command_problem(config: AgentConfig) -> str | None:
+    """Why the agent command cannot start, or None: checked before a search, where every round
+    would otherwise fail the same way (and, run as another user, a program under a directory
+    only root may enter reads as "Permission denied" rather than as not found)."""
+    if not config.argv:
+        return "an empty command"
+    path = os.environ.get("PATH", "/usr/bin:/bin")
+    exe = shutil.which(config.argv[0], path=path)
+    if exe is None:
+        return f"{config.argv[0]!r}: no such program on PATH"
+    user = _demote(config.user)
+    if not user:
+        return None
+    try:
+        uid, gid = _identity(user)["user"], pwd.getpwnam(user).pw_gid
+    except KeyError as exc:
+        return f"agent user {user!r}: {exc.args[0] if exc.args else 'no such user'}"
+
+    def allows(st, bits: int) -> bool:   # bits among r=4, x=1, as uid/gid (no other groups)
+        shift = 6 if st.st_uid == uid else 3 if st.st_gid == gid else 0
+        return (st.st_mode >> shift) & bits == bits
+
+    for name in dict.fromkeys([os.path.abspath(exe), os.path.realpath(exe)]):
+        parts = Path(name).parts
+        for depth in range(1, len(parts)):
+            where = Path(*parts[:depth])
+            try:
+                st = os.stat(where)
+            except OSError:
+                continue
+            if not allows(st, 1):
+                return f"{exe}: the agent user {user!r} cannot enter {where} (run as {user!r}; see --agent-user)"
+    if not allows(os.stat(exe), 5):
+        return f"{exe}: the agent user {user!r} cannot read and run it (see --agent-user)"
+    return None
+
+
 def run_agent(config: AgentConfig, work_dir: Path) -> AgentOutcome:
     """Run the agent command once in `work_dir`; never raises for the agent's own failures."""
     user = _demote(config.user)

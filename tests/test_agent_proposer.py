@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kernelsearch.agent import AgentConfig, _demote, context_notes, run_agent, write_context_pack
+from kernelsearch.agent import AgentConfig, _demote, command_problem, context_notes, run_agent, write_context_pack
 from kernelsearch.ledger import Ledger
 from kernelsearch.search import search
 from kernelsearch.specs import get_spec
@@ -158,6 +158,39 @@ def test_agent_links_to_root_only_files_are_never_followed(tmp_path, exit_code):
             assert "refused" in outcome.reason and "link" in outcome.reason
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_an_agent_command_that_cannot_start_is_refused_before_the_search(tmp_path):
+    """A missing program, or one the agent user cannot reach (root's pyenv as nobody), failed
+    every round as "cannot start ...: Permission denied" and the search ended with exit 0."""
+    from conftest import run_hwtune
+
+    proc = run_hwtune("--state-dir", tmp_path, "search", "rmsnorm", "--device", "cpu", "--strategy", "agent",
+                      "--agent-command", "no-such-agent-program --x")
+    assert proc.returncode == 2 and "no such program on PATH" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "agent").exists()
+    assert command_problem(AgentConfig(argv=[])) == "an empty command"
+    if os.geteuid() != 0:
+        return
+    import shutil
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="hwtune-agent-test-", dir="/tmp"))   # pytest's tmp is 0700
+    try:
+        os.chmod(top, 0o755)
+        hidden = top / "private"
+        hidden.mkdir(mode=0o700)
+        exe = hidden / "agent.sh"
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+        assert "cannot enter" in command_problem(AgentConfig(argv=[str(exe)], user="nobody"))
+        hidden.chmod(0o755)
+        exe.chmod(0o700)
+        assert "cannot read and run" in command_problem(AgentConfig(argv=[str(exe)], user="nobody"))
+        exe.chmod(0o755)
+        assert command_problem(AgentConfig(argv=[str(exe)], user="nobody")) is None
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_agent_user_is_dropped_to_only_when_running_as_root(monkeypatch):

@@ -166,10 +166,13 @@ def run_search(args, ctx) -> int:
     if args.strategy == "agent":
         if not args.agent_command:
             raise UsageError("--strategy agent needs --agent-command")
-        from kernelsearch.agent import AgentConfig
+        from kernelsearch.agent import AgentConfig, command_problem
 
         agent = AgentConfig.from_command(args.agent_command, timeout_s=args.agent_timeout_s,
                                          user=agent_user(args, ctx), model_family=args.model_family)
+        problem = command_problem(agent)
+        if problem:
+            raise UsageError(f"--agent-command {args.agent_command!r}: {problem}")
     from kernelsearch.pool import ExecutorError, open_executor
 
     try:
