@@ -152,14 +152,22 @@ def _(x, weight, table=0):
 
 
 # --- swiglu ---------------------------------------------------------------------------------
+def _even_last(op: str, gate_up: torch.Tensor) -> None:
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"hwtune::{op}: gate_up{tuple(gate_up.shape)}: its last dimension holds gate and "
+                         "up side by side, so it must be even")
+
+
 @torch.library.custom_op("hwtune::swiglu", mutates_args=())
 def swiglu(gate_up: torch.Tensor, table: int = 0) -> torch.Tensor:
+    _even_last("swiglu", gate_up)
     (out,) = run("swiglu", table, _rows(gate_up))
     return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 @swiglu.register_fake
 def _(gate_up, table=0):
+    _even_last("swiglu", gate_up)
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 

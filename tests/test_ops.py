@@ -244,6 +244,18 @@ def test_fused_op_fake_gives_the_output_shape_and_refuses_mismatched_weights(nam
             torch.ops.hwtune.rms_norm_gate_up_swiglu(args[0], args[1], args[2][:47], 1e-6)
 
 
+def test_swiglu_refuses_an_odd_gate_up_width_eager_and_fake():
+    """gate and up lie side by side in the last dimension: an odd width was a raw torch shape
+    error from inside the stock call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with pytest.raises(ValueError, match=r"hwtune::swiglu: gate_up\(2, 7\)"):
+        torch.ops.hwtune.swiglu(torch.randn(2, 7))
+    with FakeTensorMode(), pytest.raises(ValueError, match="hwtune::swiglu"):
+        torch.ops.hwtune.swiglu(torch.empty(2, 7))
+    assert torch.ops.hwtune.swiglu(torch.randn(2, 8)).shape == (2, 4)
+
+
 def test_linear_residual_leaves_its_residual_input_unchanged_and_routes_through_the_table():
     x, w, res = _cases()["linear_residual"]
     before = res.clone()
