@@ -227,11 +227,12 @@ def test_a_json_file_that_is_not_a_results_document_is_a_usage_error(tmp_path, h
     # before: a JSON list was an AttributeError traceback, {} an exit 1 with nothing said
     doc = tmp_path / "other.json"
     doc.write_text(text)
-    proc = hwtune_cli("--state-dir", tmp_path / "state", "bench", flag, doc, "--command", "true")
+    proc = hwtune_cli("--state-dir", tmp_path / "state", "bench", flag, doc, "--command", "true",
+                      "--out", tmp_path / "report")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip() == f"hwtune bench: {flag} {doc}: not a results document of hwtune bench " \
                                   "(its results.json: decode, prefill or workload results)"
-    assert not (tmp_path / "state").exists()
+    assert not (tmp_path / "state").exists() and not (tmp_path / "report").exists()
 
 
 def test_metric_parser_reads_json_lines_and_custom_regexes():

@@ -189,12 +189,12 @@ def run_bench(args, ctx) -> int:
             # same as `hwtune search --device cpu`, so the table a search wrote is used here.
             os.environ.setdefault("TRITON_INTERPRET", "1")
     args.models = _models(args)   # after TRITON_INTERPRET: this imports torch
+    # read before --out is made: a bad file must leave nothing behind
+    doc = _load_json(args.from_results, "--from-results") if args.from_results else None
     if out_dir is not None:  # before measuring: minutes of work must not end in "cannot write"
         ensure_writable_dir(out_dir, "--out" if args.out else "report directory",
                             "choose another with --out DIR")
-    if args.from_results:
-        doc = _load_json(args.from_results, "--from-results")
-    else:
+    if doc is None:
         doc = _measure(args, ctx)
     doc.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     if baseline is not None:
