@@ -1,8 +1,8 @@
 """Runtime dispatch: the tuned kernel where the search found a winner, stock everywhere else.
 
 Importable at inference time without the search machinery: it imports torch, json,
-importlib, the kernel contracts (kernelsearch.specs: stock fallback and output allocation,
-torch only), kernelsearch.fingerprint, and -- only when a tuned entry is used -- triton and
+the kernel contracts (kernelsearch.specs: stock fallback and output allocation, torch only),
+kernelsearch.fingerprint, the built-in templates' registry (kernelsearch.kernels), and -- only when a tuned entry is used -- triton and
 the harness's source checker, plan validator and plan runner (no sandbox, no executor).
 
 Table (JSON, one per device fingerprint: STATE_DIR/dispatch/<fingerprint-id>.json):
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -246,12 +244,16 @@ class DispatchTable:
 
 
 def source_text(source: dict) -> tuple[str, Path] | None:
-    """(text, path) of an entry's source, read without importing it."""
+    """(text, path) of an entry's source, read without importing it. A module source names a
+    built-in template (kernelsearch.kernels.<kernel>), nothing else: finding any other module
+    would import its parent packages, running Python that a table names."""
     if "module" in source:
-        found = importlib.util.find_spec(source["module"])
-        if found is None or not found.origin:
+        from kernelsearch.kernels import TEMPLATES, template_path
+
+        kernel = {module: k for k, module in TEMPLATES.items()}.get(source["module"])
+        if kernel is None:
             return None
-        path = Path(found.origin)
+        path = template_path(kernel)
     else:
         path = Path(source["path"])
     return path.read_bytes().decode("utf-8"), path

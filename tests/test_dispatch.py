@@ -196,3 +196,22 @@ def test_entry_is_frozen_validated_and_round_trips_through_json():
             Entry.from_json(bad)
     table = DispatchTable({"format": 1, "entries": [raw, {"kernel": 3}]})
     assert table.entries == [e] and len(table.invalid) == 1 and "kernel" in table.invalid[0]
+
+
+def test_a_module_source_other_than_a_built_in_template_is_stock_and_imports_nothing(tmp_path, monkeypatch):
+    """Finding a dotted module imports its parent packages: a table entry naming
+    {"module": "pkg.x"} ran pkg/__init__.py. Only kernelsearch.kernels.<kernel> is a module source."""
+    pkg = tmp_path / "planted"
+    pkg.mkdir()
+    marker = tmp_path / "ran"
+    (pkg / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plan = {"buffers": {}, "steps": [{"op": "launch", "kernel": "_rmsnorm", "grid": [4], "args": {}}]}
+    for module in ("planted.kernel", "planted", "kernelsearch.kernels", "kernelsearch.dispatch"):
+        entry = Entry.make(kernel="rmsnorm", dtype="float32", shape={"M": 4, "N": 100},
+                           source={"module": module}, source_hash="0" * 16, params={}, plan=plan)
+        assert not DispatchTable({"format": 1, "entries": [entry]}).usable(entry)
+    assert not marker.exists()
+    from kernelsearch.dispatch import source_text
+    from kernelsearch.kernels import template_path
+    assert source_text({"module": "kernelsearch.kernels.rmsnorm"})[1] == template_path("rmsnorm")
