@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import sys
@@ -349,8 +350,9 @@ def _load_tuned(entry: Entry):
         found = source_text(source) if source else None
         if found is None or not entry.plan:
             return None
-        text, path = found
-        if entry.source_hash and file_sha256(path) != entry.source_hash:
+        text, _path = found
+        # the hash of the text compiled, not of the file read again: it may change in between
+        if entry.source_hash and hashlib.sha256(text.encode("utf-8")).hexdigest()[:16] != entry.source_hash:
             return None
         return TunedKernel(entry, get_spec(entry.kernel), text)
     except (ImportError, OSError, UnicodeDecodeError, KeyError, ValueError, TypeError, SourceError, PlanInvalid):

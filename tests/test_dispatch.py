@@ -215,3 +215,28 @@ def test_a_module_source_other_than_a_built_in_template_is_stock_and_imports_not
     from kernelsearch.dispatch import source_text
     from kernelsearch.kernels import template_path
     assert source_text({"module": "kernelsearch.kernels.rmsnorm"})[1] == template_path("rmsnorm")
+
+
+def test_a_source_swapped_between_its_read_and_its_hash_check_is_stock(tmp_path, monkeypatch, cpu_fingerprint):
+    """The source text compiled must be the text hashed: the file was read, then hashed again by
+    path, so a file swapped in between (other text compiled, the verified text hashed) routed."""
+    import kernelsearch.dispatch as dispatch
+    from kernelsearch.harness.verify import make_plan
+
+    src = tmp_path / "tuned_rmsnorm.py"
+    src.write_text(TUNED_RMSNORM)
+    verified = file_sha256(src)
+    plan = make_plan("rmsnorm", src, {"M": 4, "N": 100}, "float32", {"BLOCK_N": 128}, "cpu")
+    entry = Entry.make(kernel="rmsnorm", dtype="float32", shape={"M": 4, "N": 100}, source={"path": str(src)},
+                       source_hash=verified, params={"BLOCK_N": 128}, plan=plan)
+    assert DispatchTable({"format": 1, "entries": [entry]}).usable(entry)
+    swapped = TUNED_RMSNORM.replace("x * inv * w", "x * inv * w * 2.0")
+    read = dispatch.source_text
+
+    def read_then_swap_back(source):
+        src.write_text(swapped)
+        found = read(source)
+        src.write_text(TUNED_RMSNORM)   # the verified text again for the hash check
+        return found
+    monkeypatch.setattr(dispatch, "source_text", read_then_swap_back)
+    assert not DispatchTable({"format": 1, "entries": [entry]}).usable(entry)
