@@ -32,6 +32,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -257,7 +258,22 @@ def source_text(source: dict) -> tuple[str, Path] | None:
         path = template_path(kernel)
     else:
         path = Path(source["path"])
-    return path.read_bytes().decode("utf-8"), path
+    return _read_source_file(path).decode("utf-8"), path
+
+
+def _read_source_file(path: Path) -> bytes:
+    """A regular file's bytes, no more than the harness reads of a candidate (OSError otherwise):
+    a FIFO named as a source hung the model's first call, /dev/zero filled its memory."""
+    from kernelsearch.harness.source import MAX_SOURCE_BYTES
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        data = f.read(MAX_SOURCE_BYTES + 1)
+    if len(data) > MAX_SOURCE_BYTES:
+        raise OSError(f"{path}: larger than {MAX_SOURCE_BYTES} bytes")
+    return data
 
 
 class TunedKernel:

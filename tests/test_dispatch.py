@@ -240,3 +240,22 @@ def test_a_source_swapped_between_its_read_and_its_hash_check_is_stock(tmp_path,
         return found
     monkeypatch.setattr(dispatch, "source_text", read_then_swap_back)
     assert not DispatchTable({"format": 1, "entries": [entry]}).usable(entry)
+
+
+def test_a_source_path_that_is_no_regular_file_is_stock_without_waiting_or_reading_it_whole(tmp_path):
+    """A FIFO as an entry's source hung the first call (read waited for a writer); /dev/zero was read
+    until memory ran out (a MemoryError into the model); a file past the harness's limit was read whole."""
+    import os
+
+    from kernelsearch.harness.source import MAX_SOURCE_BYTES
+
+    fifo = tmp_path / "source.py"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.py"
+    with open(huge, "wb") as f:
+        f.truncate(4 * MAX_SOURCE_BYTES)
+    plan = {"buffers": {}, "steps": [{"op": "launch", "kernel": "_rmsnorm", "grid": [4], "args": {}}]}
+    for path in (fifo, "/dev/zero", huge, tmp_path):
+        entry = Entry.make(kernel="rmsnorm", dtype="float32", shape={"M": 4, "N": 100},
+                           source={"path": str(path)}, source_hash="0" * 16, params={}, plan=plan)
+        assert not DispatchTable({"format": 1, "entries": [entry]}).usable(entry)
