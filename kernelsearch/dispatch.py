@@ -147,7 +147,7 @@ class DispatchTable:
 
     def usable(self, entry: Entry) -> bool:
         """Whether `entry` routes at all: its source present and unchanged since the search
-        (source_hash), its plan valid against it. A stale entry is ignored by `route` (stock)."""
+        (source_hash, which it must have), its plan valid against it. A stale entry is ignored by `route` (stock)."""
         return self._tuned(entry) is not None
 
     def _tuned(self, entry: Entry):
@@ -367,8 +367,9 @@ def _load_tuned(entry: Entry):
         if found is None or not entry.plan:
             return None
         text, _path = found
-        # the hash of the text compiled, not of the file read again: it may change in between
-        if entry.source_hash and hashlib.sha256(text.encode("utf-8")).hexdigest()[:16] != entry.source_hash:
+        # the hash of the text compiled, not of the file read again: it may change in between;
+        # an entry without one names no verified text, so whatever file is there is not it
+        if not entry.source_hash or hashlib.sha256(text.encode("utf-8")).hexdigest()[:16] != entry.source_hash:
             return None
         return TunedKernel(entry, get_spec(entry.kernel), text)
     except (ImportError, OSError, UnicodeDecodeError, KeyError, ValueError, TypeError, SourceError, PlanInvalid):

@@ -259,3 +259,17 @@ def test_a_source_path_that_is_no_regular_file_is_stock_without_waiting_or_readi
         entry = Entry.make(kernel="rmsnorm", dtype="float32", shape={"M": 4, "N": 100},
                            source={"path": str(path)}, source_hash="0" * 16, params={}, plan=plan)
         assert not DispatchTable({"format": 1, "entries": [entry]}).usable(entry)
+
+
+def test_an_entry_without_a_source_hash_is_stock(tmp_path, cpu_fingerprint):
+    """No source_hash skipped the check: whatever file sat at the path (never verified) routed."""
+    from kernelsearch.harness.verify import make_plan
+
+    src = tmp_path / "tuned_rmsnorm.py"
+    src.write_text(TUNED_RMSNORM)
+    plan = make_plan("rmsnorm", src, {"M": 4, "N": 100}, "float32", {"BLOCK_N": 128}, "cpu")
+    src.write_text(TUNED_RMSNORM.replace("x * inv * w", "x * inv * w * 2.0"))   # never verified
+    for missing in (None, ""):
+        entry = Entry.make(kernel="rmsnorm", dtype="float32", shape={"M": 4, "N": 100},
+                           source={"path": str(src)}, source_hash=missing, params={"BLOCK_N": 128}, plan=plan)
+        assert not DispatchTable({"format": 1, "entries": [entry]}).usable(entry)
