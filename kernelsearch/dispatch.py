@@ -44,6 +44,10 @@ from kernelsearch.entry import Entry, EntryError, _thaw, file_sha256  # noqa: F4
 FORMAT = 1
 
 
+class TableError(ValueError):
+    """A file that is not a dispatch table this version reads (names the file)."""
+
+
 class _ShapeOf(dict):
     """kernel -> fn(args) -> shape dict: each spec's own `call_shape` (a new kernel adds
     nothing here)."""
@@ -99,16 +103,24 @@ class DispatchTable:
                 self.entries.append(raw if isinstance(raw, Entry) else Entry.from_json(raw))
             except EntryError as exc:
                 self.invalid.append(str(exc))
+            except RecursionError:
+                self.invalid.append("dispatch entry: nested too deeply")
         self.counts: dict[tuple[str, str], int] = {}
         self._device_ok: dict[str, bool] = {}
         self._launch: dict[str, object] = {}
 
     @classmethod
     def load(cls, path) -> "DispatchTable":
+        """The table in `path`; TableError (a ValueError naming the file) when it is not one."""
         path = Path(path)
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except (ValueError, RecursionError) as exc:   # UnicodeDecodeError and JSON's errors are ValueErrors
+            raise TableError(f"{path}: not a dispatch table ({type(exc).__name__}: {str(exc)[:200]})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("entries", []), list):
+            raise TableError(f"{path}: not a dispatch table (expected an object with a list of entries)")
         if data.get("format") != FORMAT:
-            raise ValueError(f"{path}: dispatch table format {data.get('format')!r}, expected {FORMAT}")
+            raise TableError(f"{path}: dispatch table format {data.get('format')!r}, expected {FORMAT}")
         return cls(data, path)
 
     @classmethod

@@ -424,6 +424,11 @@ def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device:
         runner.executor(device)  # starts now (torch, CUDA, compile workers) while we get ready
     fp = collect(device)
     fp_id = fingerprint_id(fp)
+    from kernelsearch.dispatch import DispatchTable, table_path
+
+    out = Path(dispatch_path) if dispatch_path else table_path(state_dir, fp_id)
+    if out.exists():
+        DispatchTable.load(out)   # TableError now, not after the search when the winners are merged
     budget = parse_budget(budget)
     if ceilings is None:
         progress(f"roofline: ceilings for {fp_id} (measured once, then cached)")
@@ -464,9 +469,6 @@ def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device:
         done = {_shape_key(s) for s in finished}
         # a shape cut short: its winner where kept, else nothing (its entry, if any, stays)
         written_reports = [r for r in reports if _shape_key(r.shape) in done or r.kept]
-        from kernelsearch.dispatch import table_path
-
-        out = Path(dispatch_path) if dispatch_path else table_path(state_dir, fp_id)
         written = write_dispatch(out, kernel, fp, fp_id, written_reports, device)
         # only now is each shape searched: a search killed before this line leaves attempts
         # in the ledger but no record here, and `ensure_table` searches those shapes again

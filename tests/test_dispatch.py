@@ -273,3 +273,27 @@ def test_an_entry_without_a_source_hash_is_stock(tmp_path, cpu_fingerprint):
         entry = Entry.make(kernel="rmsnorm", dtype="float32", shape={"M": 4, "N": 100},
                            source={"path": str(src)}, source_hash=missing, params={"BLOCK_N": 128}, plan=plan)
         assert not DispatchTable({"format": 1, "entries": [entry]}).usable(entry)
+
+
+@pytest.mark.parametrize("text", ['[1, 2]', '{"format": 1, "entries": null}', '{"format": 1, "entries": 5}',
+                                  '{"format": 1, "entries": [' + "[" * 100000 + "]" * 100000 + ']}',
+                                  '{"format": 1, "entries": []}\xff', '{"format": 2, "entries": []}'])
+def test_a_file_that_is_not_a_table_is_one_table_error_naming_it(tmp_path, text):
+    """A JSON list, entries that are no list, JSON nested past the parser's depth or bytes that are
+    not UTF-8 were an AttributeError, TypeError, RecursionError or UnicodeDecodeError from load."""
+    from kernelsearch.dispatch import TableError
+
+    path = tmp_path / "table.json"
+    path.write_bytes(text.encode("utf-8", "surrogateescape") if "\xff" not in text
+                     else text[:-1].encode() + b"\xff")
+    with pytest.raises(TableError, match="table.json"):
+        DispatchTable.load(path)
+
+
+def test_an_entry_nested_past_the_recursion_limit_is_left_out_not_the_table(tmp_path):
+    path = tmp_path / "table.json"
+    deep = "[" * 900 + "]" * 900
+    path.write_text('{"format": 1, "entries": [{"kernel": "rmsnorm", "dtype": "float32", "shape": {"M": 4}, '
+                    '"plan": {"a": ' + deep + '}}, {"kernel": "rmsnorm", "dtype": "float32", "shape": {"M": 5}}]}')
+    table = DispatchTable.load(path)
+    assert [dict(e.shape) for e in table.entries] == [{"M": 5}] and "nested" in table.invalid[0]

@@ -186,3 +186,21 @@ def test_a_file_that_is_not_a_bundle_is_refused(tmp_path):
     bad.write_text(json.dumps({"hello": 1}))
     got = run_hwtune("--state-dir", tmp_path / "s", "share", "import", bad, "--device", "cpu")
     assert got.returncode == 2 and "not an hwtune share bundle" in got.stderr
+
+
+def test_a_broken_dispatch_table_here_is_one_line_for_export_import_and_search(tmp_path, host_a, local_fp):
+    """A table file that is not a table (a JSON list) was an AttributeError traceback from share
+    export, share import and, after the whole search, from hwtune search."""
+    _, fp_id = local_fp
+    bundle = tmp_path / "bundle.json"
+    run_hwtune("--state-dir", host_a[0], "share", "export", "--device", "cpu", "-o", bundle, check=True)
+    state = tmp_path / "b"
+    (state / "dispatch").mkdir(parents=True)
+    state.chmod(0o700)
+    (state / "dispatch" / f"{fp_id}.json").write_text("[1]")
+    for args in (("share", "export", "--device", "cpu", "-o", tmp_path / "out.json"),
+                 ("share", "import", bundle, "--device", "cpu"),
+                 ("search", "rmsnorm", "--device", "cpu", "--budget", "1")):
+        got = run_hwtune("--state-dir", state, *args)
+        assert got.returncode == 2, (args, got.stderr)
+        assert "Traceback" not in got.stderr and "not a dispatch table" in got.stderr, got.stderr

@@ -180,13 +180,19 @@ def run_search(args, ctx) -> int:
                                   ray_address=args.ray_address)
     except ExecutorError as exc:
         raise UsageError(str(exc)) from None
+    from kernelsearch.dispatch import TableError
+
     with scale_out as executor:
-        result = search(args.kernel, state_dir=ctx.state_dir, strategy=args.strategy, budget=budget,
-                        device=device, dtype=args.dtype, shapes=args.shape, resume=args.resume,
-                        seed=args.seed, ledger_path=args.ledger, dispatch_path=args.dispatch_out,
-                        timeout_s=args.timeout_s, source_path=args.source, agent=agent, executor=executor,
-                        time_limit_s=args.time_limit_s,
-                        progress=lambda line: print(line, file=sys.stderr, flush=True))
+        try:
+            result = search(args.kernel, state_dir=ctx.state_dir, strategy=args.strategy, budget=budget,
+                            device=device, dtype=args.dtype, shapes=args.shape, resume=args.resume,
+                            seed=args.seed, ledger_path=args.ledger, dispatch_path=args.dispatch_out,
+                            timeout_s=args.timeout_s, source_path=args.source, agent=agent,
+                            executor=executor, time_limit_s=args.time_limit_s,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+        except TableError as exc:
+            raise UsageError(f"{exc}: the search would merge its winners into it; move it aside "
+                             "or choose another --dispatch-out") from None
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True))
     else:

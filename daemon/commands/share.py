@@ -41,6 +41,7 @@ def _local_fingerprint(device: str) -> dict:
 
 def run_share(args, ctx) -> int:
     from kernelsearch import share
+    from kernelsearch.dispatch import TableError
     from kernelsearch.fingerprint import fingerprint_id
 
     if args.share_command == "export":
@@ -57,6 +58,8 @@ def run_share(args, ctx) -> int:
                                          kernel=args.kernel)
         except LookupError as exc:
             raise UsageError(str(exc).strip("'\"")) from None
+        except TableError as exc:
+            raise UsageError(f"{exc}; move it aside to export the ledger rows alone") from None
         text = json.dumps(bundle, indent=1, sort_keys=True) + "\n"
         if args.output == "-":
             sys.stdout.write(text)
@@ -91,6 +94,8 @@ def run_share(args, ctx) -> int:
         raise UsageError(f"{args.bundle}: {exc}{hint}") from None
     except share.BadBundle as exc:
         raise UsageError(f"{args.bundle}: {exc}") from None
+    except TableError as exc:
+        raise UsageError(f"this host's {exc}; nothing was merged into it") from None
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     print(f"{'forced: ' if report['forced'] else ''}{report['rows_added']} ledger rows added "
