@@ -114,7 +114,7 @@ class DispatchTable:
         """The table in `path`; TableError (a ValueError naming the file) when it is not one."""
         path = Path(path)
         try:
-            data = json.loads(path.read_bytes().decode("utf-8"))
+            data = json.loads(_read_trusted(path).decode("utf-8"))
         except (ValueError, RecursionError) as exc:   # UnicodeDecodeError and JSON's errors are ValueErrors
             raise TableError(f"{path}: not a dispatch table ({type(exc).__name__}: {str(exc)[:200]})") from None
         if not isinstance(data, dict) or not isinstance(data.get("entries", []), list):
@@ -255,6 +255,23 @@ class DispatchTable:
         with open(path.with_name(path.name + ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield DispatchTable.load(path) if path.exists() else DispatchTable.empty()
+
+
+def _read_trusted(path: Path) -> bytes:
+    """A table's bytes, refused (TableError) when another user owns it or group or others may
+    write it: its plans are what runs on the GPU (hwtune runs as root, so what another user can
+    write must not steer it)."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise TableError(f"{path}: not a regular file")
+        if st.st_uid not in (0, os.geteuid()):
+            raise TableError(f"{path}: owned by uid {st.st_uid}, not by this user or root; refusing to "
+                             "trust it (inspect it, then remove it)")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise TableError(f"{path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users write it; "
+                             "refusing to trust it (inspect it, then chmod go-w it)")
+        return f.read()
 
 
 def source_text(source: dict) -> tuple[str, Path] | None:

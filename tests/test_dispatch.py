@@ -297,3 +297,23 @@ def test_an_entry_nested_past_the_recursion_limit_is_left_out_not_the_table(tmp_
                     '"plan": {"a": ' + deep + '}}, {"kernel": "rmsnorm", "dtype": "float32", "shape": {"M": 5}}]}')
     table = DispatchTable.load(path)
     assert [dict(e.shape) for e in table.entries] == [{"M": 5}] and "nested" in table.invalid[0]
+
+
+def test_a_table_another_user_may_write_is_refused(tmp_path):
+    """A table's plans are what runs on the GPU: one owned by another user, or that group or
+    others may write, was loaded and routed as if the harness had written it."""
+    import os
+
+    from kernelsearch.dispatch import TableError
+
+    path = DispatchTable.empty().save(tmp_path / "table.json")
+    assert DispatchTable.load(path).entries == []
+    path.chmod(0o664)
+    with pytest.raises(TableError, match="lets other users write it"):
+        DispatchTable.load(path)
+    path.chmod(0o644)
+    assert DispatchTable.load(path).entries == []
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)
+        with pytest.raises(TableError, match="owned by uid 65534"):
+            DispatchTable.load(path)
