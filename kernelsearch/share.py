@@ -14,6 +14,10 @@ Import rules:
   `force`: then the rows are stored under the fingerprint they were measured on (the ledger
   never lies about where a number came from) and the winners go into THIS host's table,
   each marked `imported_from` (the person forcing it vouches that the difference is harmless).
+- A winner is stored only as this host's harness verifies it (its source at its hash, its params,
+  shape and dtype through every guard, not timed), with the plan verified here: a bundle is
+  untrusted input, and its plans and sources are what would run in the user's model. One that
+  fails is left out, named in the report's `refused`.
 - Idempotent: a row is identified by (run_id, kernel, dtype, shape, source hash, params,
   fingerprint, code version, started_at); one already present is not stored again. A dispatch
   entry is identified by (kernel, dtype, shape, range): an identical one is left alone, a
@@ -21,6 +25,7 @@ Import rules:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import socket
@@ -158,7 +163,8 @@ def import_bundle(bundle: dict, state_dir, local_fingerprint: dict, ledger_path=
             "Its timings say nothing about this device; refusing (use --force to import anyway: rows keep "
             "their fingerprint, winners go into this host's table marked imported_from)")
     report = {"fingerprint_id": theirs_id, "forced": foreign, "rows_added": 0, "rows_present": 0,
-              "entries_added": 0, "entries_replaced": 0, "entries_kept": 0, "table": None}
+              "entries_added": 0, "entries_replaced": 0, "entries_kept": 0, "entries_refused": 0,
+              "refused": [], "table": None}
     with _ledger(state_dir, ledger_path) as ledger:
         new = []
         for row in bundle.get("attempts", []):
@@ -189,6 +195,7 @@ def _merge_entries(table, dispatch, bundle, state_dir, report, foreign, theirs_i
 
     index = {e.key: i for i, e in enumerate(table.entries)}
     source_dir = Path(state_dir) / "shared" / "sources"
+    device = "cuda" if local_fingerprint.get("device") == "cuda" else "cpu"
     for raw in dispatch["entries"]:
         try:
             entry = Entry.from_json(raw)
@@ -198,11 +205,13 @@ def _merge_entries(table, dispatch, bundle, state_dir, report, foreign, theirs_i
         changes = {}
         if src_path:
             text = (bundle.get("sources") or {}).get(entry.source_hash)
-            if text is None or not isinstance(entry.source_hash, str) or not entry.source_hash.isalnum():
-                continue  # the exporter left it out; nothing to run it from
+            if not isinstance(text, str) or not isinstance(entry.source_hash, str) or \
+                    not entry.source_hash.isalnum() or _text_hash(text) != entry.source_hash:
+                _refuse(report, entry, "its source text is not in the bundle under its hash")
+                continue
             source_dir.mkdir(parents=True, exist_ok=True)
-            local = source_dir / f"{entry.source_hash}{Path(src_path).suffix or '.py'}"
-            if not local.exists():
+            local = source_dir / f"{entry.source_hash}.py"
+            if not local.is_file() or _text_hash(local.read_text()) != entry.source_hash:
                 local.write_text(text)
             changes["source"] = {"path": str(local.resolve())}
         if foreign:
@@ -210,24 +219,74 @@ def _merge_entries(table, dispatch, bundle, state_dir, report, foreign, theirs_i
         if changes:
             entry = entry.replace(**changes)
         k = entry.key
+        current = table.entries[index[k]] if k in index else None
+        if current is not None and _same_kernel(current, entry):
+            report["entries_kept"] += 1
+            continue
+        if current is not None and _ms(entry) >= _ms(current):
+            report["entries_kept"] += 1
+            continue
+        plan, why = _verified_plan(entry, device)
+        if plan is None:
+            _refuse(report, entry, why)
+            continue
+        entry = entry.replace(plan=plan)
         if k not in index:
             index[k] = len(table.entries)
             table.entries.append(entry)
             report["entries_added"] += 1
             continue
-        current = table.entries[index[k]]
-        same = (current.source_hash, canonical(dict(current.params)), dict(current.source or {})) == \
-               (entry.source_hash, canonical(dict(entry.params)), dict(entry.source or {}))
-        if not same and _ms(entry) < _ms(current):
-            table.entries[index[k]] = entry
-            report["entries_replaced"] += 1
-        else:
-            report["entries_kept"] += 1
+        table.entries[index[k]] = entry
+        report["entries_replaced"] += 1
     fp = local_fingerprint
     table.data.update(fingerprint_id=target_id, fingerprint=fp, updated_at=time.time())
     table.data.setdefault("triton", fp.get("triton"))
     table.data.setdefault("torch", fp.get("torch"))
     return table
+
+
+def _same_kernel(a, b) -> bool:
+    return (a.source_hash, canonical(dict(a.params)), dict(a.source or {})) == \
+           (b.source_hash, canonical(dict(b.params)), dict(b.source or {}))
+
+
+def _text_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _refuse(report: dict, entry, why: str) -> None:
+    report["entries_refused"] += 1
+    report["refused"].append(f"{entry.kernel} {entry.dtype} {canonical(dict(entry.shape))}: {why}"[:300])
+
+
+def _verified_plan(entry, device: str) -> tuple[dict | None, str]:
+    """(the launch plan this host's harness verified for the entry, "") or (None, why not): its
+    source, params, shape and dtype through every guard, checked, not timed. A bundle's plan and
+    its word that the kernel is correct are never taken: a hand-written plan (another grid,
+    the output aliased onto an input) or a wrong kernel would run in the user's model."""
+    from kernelsearch.dispatch import source_text
+    from kernelsearch.harness.verify import evaluate
+    from kernelsearch.specs import SPECS
+
+    spec = SPECS.get(entry.kernel)
+    if spec is None:
+        return None, f"unknown kernel {entry.kernel!r}"
+    shape = dict(entry.shape)
+    problem = spec.valid_shape(shape)
+    if problem:
+        return None, problem
+    try:
+        found = source_text(dict(entry.source or {}))
+    except (OSError, UnicodeDecodeError):
+        found = None
+    if found is None or _text_hash(found[0]) != entry.source_hash:
+        return None, "its source is not here with its hash (a built-in template of another version?)"
+    verdict = evaluate(entry.kernel, found[1], dict(entry.params), device=device, shapes=[shape],
+                       dtype=entry.dtype, time_it=False)
+    plans = [r.plan for r in verdict.shapes if not r.random and r.plan]
+    if not verdict.accepted or not plans:
+        return None, f"rejected by this host's harness ({verdict.guard}: {verdict.reason})"
+    return plans[0], ""
 
 
 def _same_row(a: dict, b: dict) -> bool:

@@ -12,6 +12,16 @@ from conftest import run_hwtune
 TESTS = Path(__file__).resolve().parent
 
 
+def _template_hash() -> str:
+    from kernelsearch.dispatch import file_sha256
+    from kernelsearch.kernels import template_path
+
+    return file_sha256(template_path("rmsnorm"))
+
+
+TEMPLATE_HASH = _template_hash()
+
+
 @pytest.fixture(scope="module")
 def local_fp():
     """This host's cpu fingerprint, as `--device cpu` computes it (interpreter on)."""
@@ -83,7 +93,7 @@ def host_a(tmp_path, local_fp):
     cand.write_text((TESTS / "candidates" / "honest_rmsnorm.py").read_text())
     state = tmp_path / "a"
     make_host(state, fp, fp_id,
-              entries=[entry({"M": 4, "N": 64}, 0.8, {"module": "kernelsearch.kernels.rmsnorm"}, "abc123",
+              entries=[entry({"M": 4, "N": 64}, 0.8, {"module": "kernelsearch.kernels.rmsnorm"}, TEMPLATE_HASH,
                              {"BLOCK_N": 0}),
                        entry({"M": 5, "N": 1000}, 0.6, {"path": str(cand)}, file_hash(cand), {})],
               rows=[row(fp, fp_id), row(fp, fp_id, params={"BLOCK_N": 1024}, accepted=False,
@@ -164,10 +174,11 @@ def test_a_faster_imported_winner_replaces_a_slower_local_one_and_a_slower_one_d
     fp, fp_id = local_fp
     mod = {"module": "kernelsearch.kernels.rmsnorm"}
     fast, slow = tmp_path / "fast", tmp_path / "slow"
-    make_host(fast, fp, fp_id, [entry({"M": 1, "N": 128}, 0.5, mod, "h", {"BLOCK_N": 0}),
-                                entry({"M": 3, "N": 130}, 0.9, mod, "h", {"BLOCK_N": 0})], [row(fp, fp_id)])
-    make_host(slow, fp, fp_id, [entry({"M": 1, "N": 128}, 0.7, mod, "h", {"BLOCK_N": 1024}),
-                                entry({"M": 3, "N": 130}, 0.4, mod, "h", {"BLOCK_N": 1024})], [row(fp, fp_id, run_id="r2")])
+    h = TEMPLATE_HASH
+    make_host(fast, fp, fp_id, [entry({"M": 1, "N": 128}, 0.5, mod, h, {"BLOCK_N": 0}),
+                                entry({"M": 3, "N": 130}, 0.9, mod, h, {"BLOCK_N": 0})], [row(fp, fp_id)])
+    make_host(slow, fp, fp_id, [entry({"M": 1, "N": 128}, 0.7, mod, h, {"BLOCK_N": 1024}),
+                                entry({"M": 3, "N": 130}, 0.4, mod, h, {"BLOCK_N": 1024})], [row(fp, fp_id, run_id="r2")])
     report = import_bundle(export_bundle(fast, fp_id), slow, fp)
     assert (report["entries_replaced"], report["entries_kept"], report["rows_added"]) == (1, 1, 1)
     winners = {e["shape"]["M"]: (e["candidate_ms"], e["params"]) for e in table(slow, fp_id)["entries"]}
@@ -204,3 +215,53 @@ def test_a_broken_dispatch_table_here_is_one_line_for_export_import_and_search(t
         got = run_hwtune("--state-dir", state, *args)
         assert got.returncode == 2, (args, got.stderr)
         assert "Traceback" not in got.stderr and "not a dispatch table" in got.stderr, got.stderr
+
+
+def test_an_imported_winner_runs_the_plan_this_host_verified_and_an_unverifiable_one_is_refused(tmp_path, local_fp,
+                                                                                                 monkeypatch):
+    """A bundle is untrusted: its plans and sources were stored as given, so a hand-written plan
+    for the built-in template at its real hash (the output aliased onto the input x) routed and
+    overwrote the caller's tensor, and a kernel that is wrong (its text at its own hash) routed."""
+    import copy
+
+    import torch
+
+    from kernelsearch.dispatch import DispatchTable
+    from kernelsearch.harness.verify import make_plan
+    from kernelsearch.kernels import template_path
+    from kernelsearch.share import import_bundle
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fp, fp_id = local_fp
+    shape, params = {"M": 4, "N": 100}, {"BLOCK_N": 0}
+    honest = make_plan("rmsnorm", template_path("rmsnorm"), shape, "float32", params, "cpu")
+    aliased = copy.deepcopy(honest)
+    launch = next(s for s in aliased["steps"] if s["op"] == "launch")
+    launch["args"]["out_ptr"] = {"ref": {"buf": "x", "offset": 0, "dtype": "float32"}}
+    wrong = (TESTS / "candidates" / "honest_rmsnorm.py").read_text().replace("1.0 / tl.sqrt", "2.0 / tl.sqrt")
+    def _text_hash(text):
+        import hashlib
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+    entries = [dict(entry(shape, 0.1, {"module": "kernelsearch.kernels.rmsnorm"}, TEMPLATE_HASH, params),
+                    plan=aliased),
+               dict(entry({"M": 5, "N": 1000}, 0.1, {"path": "/elsewhere/wrong.py"}, _text_hash(wrong), {}),
+                    plan=aliased),
+               dict(entry({"M": 6, "N": 1000}, 0.1, {"path": "/elsewhere/other.py"}, "0123abcd", {}),
+                    plan=aliased)]
+    assert wrong != (TESTS / "candidates" / "honest_rmsnorm.py").read_text()
+    bundle = {"format": "hwtune-share", "version": 1, "fingerprint_id": fp_id, "fingerprint": fp, "attempts": [],
+              "dispatch": {"entries": entries}, "sources": {_text_hash(wrong): wrong, "0123abcd": wrong}}
+    state = tmp_path / "b"
+    report = import_bundle(bundle, state, fp)
+    assert (report["entries_added"], report["entries_refused"]) == (1, 2), report
+    assert "rejected by this host's harness" in " ".join(report["refused"])
+    table = DispatchTable.load(state / "dispatch" / f"{fp_id}.json")
+    (only,) = table.entries
+    from kernelsearch.entry import _thaw
+    assert _thaw(only.plan) == json.loads(json.dumps(honest)) != aliased
+    x = torch.randn(4, 100)
+    x0, w = x.clone(), torch.rand(100) + 0.5
+    assert table.route("rmsnorm", x, w, 1e-6)[2] == "tuned"
+    out = table.call("rmsnorm", x, w, 1e-6)
+    assert torch.equal(x, x0)
+    assert torch.allclose(out, x0 * torch.rsqrt(x0.pow(2).mean(-1, keepdim=True) + 1e-6) * w, atol=1e-5)

@@ -100,7 +100,10 @@ def run_share(args, ctx) -> int:
         print(json.dumps(report, indent=2, sort_keys=True))
     print(f"{'forced: ' if report['forced'] else ''}{report['rows_added']} ledger rows added "
           f"({report['rows_present']} already present); dispatch entries: {report['entries_added']} added, "
-          f"{report['entries_replaced']} replaced by faster ones, {report['entries_kept']} kept"
-          + (f" -> {report['table']}" if report["table"] else ""), file=sys.stderr)
+          f"{report['entries_replaced']} replaced by faster ones, {report['entries_kept']} kept, "
+          f"{report['entries_refused']} refused" + (f" -> {report['table']}" if report["table"] else ""),
+          file=sys.stderr)
+    for line in report["refused"]:
+        print(f"refused: {line}", file=sys.stderr)
     return 0
 
