@@ -131,6 +131,16 @@ def check_bundle(bundle: dict) -> None:
         raise BadBundle(f"not an hwtune share bundle (format {bundle.get('format') if isinstance(bundle, dict) else None!r})")
     if bundle.get("version") != VERSION:
         raise BadBundle(f"bundle version {bundle.get('version')!r}; this hwtune reads version {VERSION}")
+    dispatch = bundle.get("dispatch")
+    for ok, what in ((isinstance(bundle.get("fingerprint_id"), str), "'fingerprint_id' must be a string"),
+                     (isinstance(bundle.get("fingerprint") or {}, dict), "'fingerprint' must be an object"),
+                     (isinstance(bundle.get("attempts", []), list) and
+                      all(isinstance(r, dict) for r in bundle.get("attempts", [])), "'attempts' must be a list of rows"),
+                     (dispatch is None or (isinstance(dispatch, dict) and isinstance(dispatch.get("entries", []), list)),
+                      "'dispatch' must be a table (an object with a list of entries)"),
+                     (isinstance(bundle.get("sources") or {}, dict), "'sources' must be an object")):
+        if not ok:
+            raise BadBundle(f"malformed bundle: {what}")
 
 
 def _has_row(ledger: Ledger, row: dict) -> bool:

@@ -265,3 +265,14 @@ def test_an_imported_winner_runs_the_plan_this_host_verified_and_an_unverifiable
     out = table.call("rmsnorm", x, w, 1e-6)
     assert torch.equal(x, x0)
     assert torch.allclose(out, x0 * torch.rsqrt(x0.pow(2).mean(-1, keepdim=True) + 1e-6) * w, atol=1e-5)
+
+
+@pytest.mark.parametrize("part", [{"attempts": [5]}, {"dispatch": [1]}, {"fingerprint_id": ["x"]},
+                                  {"sources": [1], "dispatch": {"entries": []}}, {"fingerprint": "cpu"}])
+def test_a_bundle_of_the_wrong_form_is_one_line_exit_2(tmp_path, local_fp, part):
+    """Rows that are no objects, a dispatch or sources that are lists: TypeError / AttributeError
+    tracebacks from share import."""
+    bundle = tmp_path / "x.json"
+    bundle.write_text(json.dumps({"format": "hwtune-share", "version": 1, "fingerprint_id": local_fp[1], **part}))
+    got = run_hwtune("--state-dir", tmp_path / "s", "share", "import", bundle, "--device", "cpu")
+    assert got.returncode == 2 and "Traceback" not in got.stderr and "malformed bundle" in got.stderr, got.stderr
