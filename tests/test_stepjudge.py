@@ -515,7 +515,7 @@ def test_the_bench_runs_on_when_the_table_file_is_broken_at_write_time(tmp_path,
         return real_write(p, result)
     monkeypatch.setattr(stepjudge, "write", broken_meanwhile)
     got, record, _ = _bench_judge(tmp_path, monkeypatch, path)
-    assert record["written"].startswith(f"not written to {path}: JSONDecodeError")
+    assert record["written"].startswith(f"not written to {path}: TableError") and "JSONDecodeError" in record["written"]
     assert got.entries[0].params["tile"] == "judged" and path.read_text() == "{ not json"
 
 
