@@ -252,7 +252,16 @@ class DispatchTable:
         when there is none); the caller saves it before leaving the block."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(path.name + ".lock"), "a") as lock:
+        lock_path = path.with_name(path.name + ".lock")
+        try:
+            # never through a link: one planted beside --dispatch-out would have root create or
+            # open a file elsewhere
+            fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise TableError(f"{lock_path}: cannot open the table's lock: {exc.strerror or exc}") from None
+        with os.fdopen(fd, "w") as lock:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise TableError(f"{lock_path}: the table's lock is not a regular file")
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield DispatchTable.load(path) if path.exists() else DispatchTable.empty()
 

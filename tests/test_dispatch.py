@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from kernelsearch.dispatch import DispatchTable, Entry, EntryError, file_sha256, shape_matches
+from kernelsearch.dispatch import DispatchTable, Entry, EntryError, TableError, file_sha256, shape_matches
 from kernelsearch.fingerprint import collect, fingerprint_id
 
 from conftest import ROOT
@@ -144,6 +144,17 @@ def test_dispatch_module_imports_no_search_machinery():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True,
                           timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_the_tables_lock_is_never_opened_through_a_link(tmp_path):
+    """A link planted as PATH.lock beside a --dispatch-out had root create the file it named."""
+    elsewhere = tmp_path / "elsewhere"
+    path = tmp_path / "table.json"
+    (tmp_path / "table.json.lock").symlink_to(elsewhere)
+    with pytest.raises(TableError, match="lock"):
+        with DispatchTable.updating(path):
+            pass
+    assert not elsewhere.exists() and not path.exists()
 
 
 def test_concurrent_updates_of_one_table_keep_every_writers_entries(tmp_path):

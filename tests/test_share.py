@@ -199,6 +199,22 @@ def test_a_file_that_is_not_a_bundle_is_refused(tmp_path):
     assert got.returncode == 2 and "not an hwtune share bundle" in got.stderr
 
 
+@pytest.mark.parametrize("what", ["dev-zero", "fifo", "deep"])
+def test_a_bundle_that_never_ends_or_nests_past_the_parser_is_one_line(tmp_path, what):
+    # before: /dev/zero was read until a MemoryError, a FIFO hung, [[[...]]] was a RecursionError
+    bundle = tmp_path / "b.json"
+    if what == "dev-zero":
+        bundle = Path("/dev/zero")
+    elif what == "fifo":
+        os.mkfifo(bundle)
+    else:
+        bundle.write_text("[" * 200000 + "]" * 200000)
+    got = run_hwtune("--state-dir", tmp_path / "s", "share", "import", bundle, "--device", "cpu", timeout=60)
+    assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
+    assert len(got.stderr.strip().splitlines()) == 1, got.stderr
+    assert ("not a regular file" if what != "deep" else "not JSON") in got.stderr
+
+
 def test_a_broken_dispatch_table_here_is_one_line_for_export_import_and_search(tmp_path, host_a, local_fp):
     """A table file that is not a table (a JSON list) was an AttributeError traceback from share
     export, share import and, after the whole search, from hwtune search."""

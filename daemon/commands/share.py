@@ -39,6 +39,9 @@ def _local_fingerprint(device: str) -> dict:
     return collect(device)
 
 
+MAX_BUNDLE_BYTES = 256 << 20   # a bundle is read whole: ledger rows and kernel sources, far less
+
+
 def run_share(args, ctx) -> int:
     from kernelsearch import share
     from kernelsearch.dispatch import TableError
@@ -75,13 +78,20 @@ def run_share(args, ctx) -> int:
               f"{' -> ' + args.output if args.output != '-' else ''}", file=sys.stderr)
         return 0
 
+    from hwtune import yamlguard
+
     try:
-        text = sys.stdin.read() if args.bundle == "-" else Path(args.bundle).read_text()
-        bundle = json.loads(text)
-    except OSError as exc:
-        raise UsageError(f"{args.bundle}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise UsageError(f"{args.bundle}: not JSON ({exc})") from None
+        if args.bundle == "-":
+            raw = sys.stdin.buffer.read(MAX_BUNDLE_BYTES + 1)
+            if len(raw) > MAX_BUNDLE_BYTES:
+                raise yamlguard.Unreadable(f"larger than {MAX_BUNDLE_BYTES >> 20} MiB")
+        else:   # a regular file, read no further than the limit (/dev/zero, a FIFO: refused)
+            raw, _ = yamlguard.read_input(args.bundle, MAX_BUNDLE_BYTES)
+        bundle = json.loads(raw.decode("utf-8"))
+    except yamlguard.Unreadable as exc:
+        raise UsageError(f"{args.bundle}: {exc.problem}") from None
+    except (ValueError, RecursionError) as exc:   # not UTF-8, not JSON, nested past the parser
+        raise UsageError(f"{args.bundle}: not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     local = _local_fingerprint(args.device)
     ctx.ensure_state_dir()
     try:
