@@ -322,9 +322,17 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
             full = hwloop.search(space, measure, apply_point, objective, opts.budget, "exhaustive",
                                  lambda s: None)
             report["exhaustive"] = full.to_json()
-        # Safety first: after an abort the starting settings come back regardless of --keep.
-        guard.stop_reason = None
+            # A stop during the comparison sweep (SIGTERM, a safety event) stops the tune too.
+            result.aborted = result.aborted or full.aborted
+        # Safety first: after an abort the starting settings come back regardless of --keep;
+        # so does a SIGTERM that came after the last check of the search.
+        result.aborted = result.aborted or guard.stop_reason
         kept = hwloop.finish(result, applier, baseline, opts.keep and not result.aborted, log)
+        if guard.stop_reason and kept != baseline:
+            # Asked to stop while the kept point was written (the signal was held until the
+            # apply was done): put the starting settings back, as after any other stop.
+            result.aborted = guard.stop_reason
+            kept = hwloop.finish(result, lambda p: applier(p, on_signal="finish"), baseline, False, log)
         report["kept"] = kept.to_json()
         report["aborted"] = result.aborted
         # Written before the marker goes: the daemon must learn the kept point before it

@@ -152,3 +152,36 @@ def test_daemon_holds_the_point_a_tune_kept_instead_of_reverting_it(host):
         assert "hwtune_last_tune_ok 1.0" in d.scrape(info["metrics_port"])
     finally:
         d.close()
+
+
+def _sigterm_after(proc, line_part):
+    """SIGTERM `proc` as soon as its stderr says `line_part`; returns (stdout, stderr)."""
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line_part in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=WAIT_S)
+    return out, "".join(seen) + err
+
+
+@pytest.mark.parametrize("args, when, delay_ms", [
+    (("--exhaustive",), "exhaustive sweep", 20),   # during the comparison sweep
+    (("--budget", "5"), "keeping", 200),            # while the kept point is written
+])
+def test_sigterm_after_the_search_restores_the_starting_settings_and_exits_1(host, args, when, delay_ms):
+    host.set(f"write_delay_ms={delay_ms}")
+    proc = _start_tune(host, *args)
+    try:
+        out, err = _sigterm_after(proc, when)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err[-3000:]
+    report = json.loads(out)
+    assert "SIGTERM" in report["aborted"]
+    assert report["kept"] == report["baseline"]
+    host.set("write_delay_ms=0")
+    assert host.status() == host.original
