@@ -37,6 +37,7 @@ from hwtune.hwloop import AbortSearch, Objective, Point, Space
 TUNING_MARKER = "tuning.json"
 LAST_TUNE_FILE = "last_tune.json"
 TUNED_PROFILE = "tuned-profile.yaml"
+TUNE_LOCK = "tune.lock"  # flock held by the live tune's hardware loop
 
 
 def _stderr(line: str) -> None:
@@ -271,89 +272,102 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
             report["would_keep"] = res.best.point.to_json() if res.best else None
         return report
 
-    if engine.pending_journal(state_dir) is not None:
-        raise PendingJournalError(f"an interrupted apply left a journal in {state_dir}; "
-                                  "run `hwtune rollback` (or start the daemon) first")
     from daemon.marker import Marker, live_tuner
+    from hwtune.lock import WriterLock
 
-    other = live_tuner(state_dir)
-    if other is not None:
-        raise LockBusyError(f"pid {other} is already tuning ({state_dir / TUNING_MARKER})")
-    marker = Marker(state_dir, objective=opts.objective)
-
-    from daemon.config import Config, load_config
-
-    config = Config()
-    if opts.nightly and ctx.config_path is not None:
-        config = load_config(ctx.config_path)
-    base_profile = config.profile or _daemon_base_profile(state_dir)
-    guard = Guard(host, gpus, config.thermal.max_temperature_c, config.restore_on, log, marker)
-    applier = hwloop.HostApplier(host, state_dir, gpus, space.sm_clock_min_mhz, log=lambda s: None)
-    baseline = applier.baseline()
-    report["baseline"] = baseline.to_json()
-    measure_fn = sim_measure(host, gpus, opts.workload) if simulated else gpu_measure(host, gpus)
-
-    def apply_point(point: Point) -> None:
-        guard.check()
-        for attempt in range(20):
-            try:
-                applier(point)
-                return
-            except LockBusyError:
-                # The daemon is writing (a re-apply, a restore): wait for it.
-                time.sleep(0.1 * (attempt + 1))
-        applier(point)
-
-    def measure(point: Point) -> dict:
-        guard.check()
-        m = measure_fn(point)
-        guard.check()
-        return m
-
-    old_term = signal.signal(signal.SIGTERM, guard.on_sigterm)
-    old_hup = signal.signal(signal.SIGHUP, guard.on_sigterm)  # a dropped session: restore, too
-    marker.write()
-    t0 = time.monotonic()
+    # Held for the whole hardware loop: the marker alone is check-then-write, and two tunes
+    # started together both found none, then tried each other's points and measured them.
+    claim = WriterLock(state_dir, name=TUNE_LOCK)
     try:
-        result = hwloop.search(space, measure, apply_point, objective, opts.budget, "boundary", log)
-        report["search"] = result.to_json()
-        if opts.exhaustive and not result.aborted:
-            log(f"exhaustive sweep of the same space ({len(space.points())} points) for comparison")
-            full = hwloop.search(space, measure, apply_point, objective, opts.budget, "exhaustive",
-                                 lambda s: None)
-            report["exhaustive"] = full.to_json()
-            # A stop during the comparison sweep (SIGTERM, a safety event) stops the tune too.
-            result.aborted = result.aborted or full.aborted
-        # Safety first: after an abort the starting settings come back regardless of --keep;
-        # so does a SIGTERM that came after the last check of the search.
-        result.aborted = result.aborted or guard.stop_reason
-        kept = hwloop.finish(result, applier, baseline, opts.keep and not result.aborted, log)
-        if guard.stop_reason and kept != baseline:
-            # Asked to stop while the kept point was written (the signal was held until the
-            # apply was done): put the starting settings back, as after any other stop.
-            result.aborted = guard.stop_reason
-            kept = hwloop.finish(result, lambda p: applier(p, on_signal="finish"), baseline, False, log)
-        report["kept"] = kept.to_json()
-        report["aborted"] = result.aborted
-        # Written before the marker goes: the daemon must learn the kept point before it
-        # checks drift again, or it would put its profile back over it.
-        _record(state_dir, report, result, kept, baseline, gpus, space, opts, source, base_profile)
-    except BaseException:
-        # Whatever went wrong, leave the host where it started; a signal during this restore
-        # is held until it is done (on_signal="finish").
+        claim.__enter__()
+    except LockBusyError:
+        other = live_tuner(state_dir)
+        raise LockBusyError(f"{f'pid {other}' if other else 'another hwtune tune'} is already tuning "
+                            f"({state_dir / TUNE_LOCK})") from None
+    try:
+        if engine.pending_journal(state_dir) is not None:
+            raise PendingJournalError(f"an interrupted apply left a journal in {state_dir}; "
+                                      "run `hwtune rollback` (or start the daemon) first")
+        other = live_tuner(state_dir)
+        if other is not None:
+            raise LockBusyError(f"pid {other} is already tuning ({state_dir / TUNING_MARKER})")
+        marker = Marker(state_dir, objective=opts.objective)
+
+        from daemon.config import Config, load_config
+
+        config = Config()
+        if opts.nightly and ctx.config_path is not None:
+            config = load_config(ctx.config_path)
+        base_profile = config.profile or _daemon_base_profile(state_dir)
+        guard = Guard(host, gpus, config.thermal.max_temperature_c, config.restore_on, log, marker)
+        applier = hwloop.HostApplier(host, state_dir, gpus, space.sm_clock_min_mhz, log=lambda s: None)
+        baseline = applier.baseline()
+        report["baseline"] = baseline.to_json()
+        measure_fn = sim_measure(host, gpus, opts.workload) if simulated else gpu_measure(host, gpus)
+
+        def apply_point(point: Point) -> None:
+            guard.check()
+            for attempt in range(20):
+                try:
+                    applier(point)
+                    return
+                except LockBusyError:
+                    # The daemon is writing (a re-apply, a restore): wait for it.
+                    time.sleep(0.1 * (attempt + 1))
+            applier(point)
+
+        def measure(point: Point) -> dict:
+            guard.check()
+            m = measure_fn(point)
+            guard.check()
+            return m
+
+        old_term = signal.signal(signal.SIGTERM, guard.on_sigterm)
+        old_hup = signal.signal(signal.SIGHUP, guard.on_sigterm)  # a dropped session: restore, too
+        marker.write()
+        t0 = time.monotonic()
         try:
-            hwloop.finish(hwloop.SearchResult("boundary", objective, space, aborted="error"),
-                          lambda p: applier(p, on_signal="finish"), baseline, False, log)
-        except Interrupted:
-            pass  # restored; the signal that came meanwhile changes nothing more
-        except HwtuneError as exc:
-            log(f"could not restore {baseline.label()}: {exc}; to restore the settings from before "
-                f"hwtune: {ctx.command('rollback')}")
-        raise
+            result = hwloop.search(space, measure, apply_point, objective, opts.budget, "boundary", log)
+            report["search"] = result.to_json()
+            if opts.exhaustive and not result.aborted:
+                log(f"exhaustive sweep of the same space ({len(space.points())} points) for comparison")
+                full = hwloop.search(space, measure, apply_point, objective, opts.budget, "exhaustive",
+                                     lambda s: None)
+                report["exhaustive"] = full.to_json()
+                # A stop during the comparison sweep (SIGTERM, a safety event) stops the tune too.
+                result.aborted = result.aborted or full.aborted
+            # Safety first: after an abort the starting settings come back regardless of --keep;
+            # so does a SIGTERM that came after the last check of the search.
+            result.aborted = result.aborted or guard.stop_reason
+            kept = hwloop.finish(result, applier, baseline, opts.keep and not result.aborted, log)
+            if guard.stop_reason and kept != baseline:
+                # Asked to stop while the kept point was written (the signal was held until the
+                # apply was done): put the starting settings back, as after any other stop.
+                result.aborted = guard.stop_reason
+                kept = hwloop.finish(result, lambda p: applier(p, on_signal="finish"), baseline, False, log)
+            report["kept"] = kept.to_json()
+            report["aborted"] = result.aborted
+            # Written before the marker goes: the daemon must learn the kept point before it
+            # checks drift again, or it would put its profile back over it.
+            _record(state_dir, report, result, kept, baseline, gpus, space, opts, source, base_profile)
+        except BaseException:
+            # Whatever went wrong, leave the host where it started; a signal during this restore
+            # is held until it is done (on_signal="finish").
+            try:
+                hwloop.finish(hwloop.SearchResult("boundary", objective, space, aborted="error"),
+                              lambda p: applier(p, on_signal="finish"), baseline, False, log)
+            except Interrupted:
+                pass  # restored; the signal that came meanwhile changes nothing more
+            except HwtuneError as exc:
+                log(f"could not restore {baseline.label()}: {exc}; to restore the settings from before "
+                    f"hwtune: {ctx.command('rollback')}")
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, old_term)
+            signal.signal(signal.SIGHUP, old_hup)
+            marker.remove()
     finally:
-        signal.signal(signal.SIGTERM, old_term)
-        signal.signal(signal.SIGHUP, old_hup)
-        marker.remove()
+        claim.__exit__(None, None, None)
     report["seconds"] = round(time.monotonic() - t0, 2)
 
     if opts.kernels and not result.aborted:

@@ -18,8 +18,8 @@ from hwtune.errors import LockBusyError
 
 
 class WriterLock:
-    def __init__(self, state_dir, wait_s: float = 0):
-        self.path = Path(state_dir) / "lock"
+    def __init__(self, state_dir, wait_s: float = 0, name: str = "lock"):
+        self.path = Path(state_dir) / name
         self.wait_s = wait_s
         self._fd = None
 

@@ -185,3 +185,26 @@ def test_sigterm_after_the_search_restores_the_starting_settings_and_exits_1(hos
     assert report["kept"] == report["baseline"]
     host.set("write_delay_ms=0")
     assert host.status() == host.original
+
+
+def test_two_tunes_started_together_one_runs_the_other_is_refused(tmp_path):
+    # A large host file makes every read slow, so both tunes are between their "anyone
+    # tuning?" check and their first write at the same time, as two timers firing at once.
+    sim = tmp_path / "host.json"
+    run_hwtune("sim", "init", sim, "--cpus", "3000", check=True)
+    state = tmp_path / "state"
+    cmd = [sys.executable, "-m", "daemon.cli", "--sim", str(sim), "--state-dir", str(state), "tune",
+           "--no-kernels", "--budget", "2", "--json"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    try:
+        results = [(p.communicate(timeout=WAIT_S * 4), p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = sorted(rc for _, rc in results)
+    assert codes == [0, 5], [err[-2000:] for (_, err), _ in results]
+    refused = next(err for (_, err), rc in results if rc == 5)
+    assert "already tuning" in refused
