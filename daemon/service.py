@@ -229,6 +229,13 @@ class Service:
 
         if self.state.profile is None:
             return False
+        tuner = tuning_pid(self.state_dir, self._log_once)
+        if tuner is not None:
+            # A start or a reload during a tune would write over the point it is measuring;
+            # the drift check applies the profile once the tune has ended.
+            self.log(f"apply of {self.state.profile_name} ({why}) postponed: "
+                     f"{f'pid {tuner}' if tuner > 0 else 'another process'} is tuning")
+            return False
         self.status(f"applying profile {self.state.profile_name} ({why})")
         self.state.probation = PROBATION_POLLS  # a tuning step from here on
         try:
@@ -498,12 +505,13 @@ class Service:
             except HwtuneError as exc:
                 raise HwtuneError(f"{exc}; nothing was applied") from None
             self.log(f"metrics on http://{self.config.metrics.address}:{port}/metrics")
+        applied = False
         if not self.host.read_only:
             self._write_runtime()  # the state directory takes writes: checked before the hardware
             self.status("waiting for the writer lock" if _lock_held_by_other(self.state_dir) else "recovering")
             self.recover(wait_s=START_LOCK_WAIT_S)
             if not self._stop:  # asked to stop while waiting for the lock: apply nothing
-                self.apply_profile("start")
+                applied = self.apply_profile("start")
         if self.metrics and self.state.profile_name and self.state.suspended is None:
             self.metrics.set_profile(self.state.profile_name)
         try:
@@ -515,6 +523,9 @@ class Service:
             if self.state.profile is None:
                 self.log("--once: no profile configured (a config with `profile: NAME`, e.g. "
                          f"{self.config_path or '/etc/hwtune/hwtune.yaml'}): nothing applied or checked")
+            elif not applied and not self.host.read_only:
+                self.log(f"--once: profile {self.state.profile_name} not applied (see above)")
+                return 1
             else:
                 self.log(f"--once: profile {self.state.profile_name} applied and checked once, "
                          "exiting with the settings in place")

@@ -176,3 +176,40 @@ def test_sighup_during_an_event_outside_a_tuning_step_does_not_apply_either(host
     assert host.gpu(0)["locked_sm_clocks_mhz"] == [1410, 1785]  # still efficiency: nothing re-applied
     host.set("gpus.0.telemetry.clock_event_reasons=0")
     wait_until(lambda: host.gpu(0)["locked_sm_clocks_mhz"] == [1755, 1980], "throughput once it cleared")
+
+
+# -- a start or a reload never writes over a live tune ----------------------------------------
+
+def _live_tuner(host):
+    """A process that names itself in tuning.json, as a live `hwtune tune` does."""
+    tuner = subprocess.Popen([sys.executable, "-c", (
+        "import time\n"
+        "from daemon.marker import Marker\n"
+        f"Marker({str(host.state)!r}).write()\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(300)\n")], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+    assert tuner.stdout.readline().strip() == "ready"
+    return tuner
+
+
+def test_a_daemon_started_or_reloaded_during_a_tune_writes_nothing_until_it_ends(host, daemons):
+    host.state.mkdir(mode=0o700, exist_ok=True)
+    tuner = _live_tuner(host)
+    try:
+        host.set("gpus.0.power_limit_w=650")  # the point the tune is measuring
+        once = run_hwtune("--sim", host.sim, "daemon", "--config", host.config(rollback="never"), "--once",
+                          timeout=WAIT_S)
+        assert once.returncode == 1 and "not applied" in once.stderr, once.stderr
+        assert host.gpu(0)["power_limit_w"] == 650 and host.gpu(1)["power_limit_w"] == 700
+        d = daemons(host, host.config(rollback="never"))
+        d.ready()
+        assert "postponed: pid" in d.output()
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: d.output().count("postponed: pid") >= 2, "the reload to be answered")
+        time.sleep(1.0)  # several polls
+        assert host.gpu(0)["power_limit_w"] == 650 and host.gpu(1)["power_limit_w"] == 700
+    finally:
+        tuner.kill()
+        tuner.wait()
+    wait_until(lambda: host.gpu(0)["power_limit_w"] == 560 and host.gpu(1)["power_limit_w"] == 560,
+               "the profile once the tune ended")
