@@ -125,6 +125,7 @@ class State:
     signalled: set = field(default_factory=set)    # (pid, event) already asked to restore
     drift: int = 0
     last_tune_mtime: float | None = None
+    profile_tune_mtime: float = 0.0  # last_tune.json's mtime when the profile was chosen
     resume_when_clear: bool = False  # a reload came during a safety event: apply once it clears
 
 
@@ -167,6 +168,7 @@ class Service:
         from hwtune.profiles import load
 
         name = self.config.profile
+        self.state.profile_tune_mtime = self._last_tune_stamp()
         tuned = self._tuned_profile_path()
         if tuned is not None:
             # The nightly tune kept a better point on top of this profile: keep that instead.
@@ -175,6 +177,12 @@ class Service:
             return
         self.state.profile = load(name, self.ctx.profile_dir) if name else None
         self.state.profile_name = getattr(self.state.profile, "name", name) if name else None
+
+    def _last_tune_stamp(self) -> float:
+        try:
+            return (self.state_dir / LAST_TUNE_FILE).stat().st_mtime
+        except OSError:
+            return 0.0
 
     def _tuned_profile_path(self) -> Path | None:
         """STATE_DIR/tuned-profile.yaml when the last tune kept it for the configured profile.
@@ -376,7 +384,6 @@ class Service:
             return
         if mtime == self.state.last_tune_mtime:
             return
-        first = self.state.last_tune_mtime is None
         self.state.last_tune_mtime = mtime
         if self.metrics is not None:
             from hwtune import statefile
@@ -387,8 +394,10 @@ class Service:
                     self.metrics.set_last_tune(last)
             except (OSError, ValueError, HwtuneError) as exc:
                 self.log(f"{path}: {exc}")
-        if not first and self._tuned_profile_path() is not None:
-            self._load_profile()  # a tune just kept a point: that is the setting to hold now
+        if mtime != self.state.profile_tune_mtime and self._tuned_profile_path() is not None:
+            # A tune kept a point since the profile was chosen (also one that ended while
+            # this daemon started): that is the setting to hold now.
+            self._load_profile()
             if self.metrics is not None:
                 self.metrics.set_profile(self.state.profile_name)
 
@@ -511,6 +520,8 @@ class Service:
             self.status("waiting for the writer lock" if _lock_held_by_other(self.state_dir) else "recovering")
             self.recover(wait_s=START_LOCK_WAIT_S)
             if not self._stop:  # asked to stop while waiting for the lock: apply nothing
+                if self._last_tune_stamp() != self.state.profile_tune_mtime:
+                    self._load_profile()  # a tune that held the lock meanwhile kept a point
                 applied = self.apply_profile("start")
         if self.metrics and self.state.profile_name and self.state.suspended is None:
             self.metrics.set_profile(self.state.profile_name)

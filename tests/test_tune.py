@@ -208,3 +208,33 @@ def test_two_tunes_started_together_one_runs_the_other_is_refused(tmp_path):
     assert codes == [0, 5], [err[-2000:] for (_, err), _ in results]
     refused = next(err for (_, err), rc in results if rc == 5)
     assert "already tuning" in refused
+
+
+def test_a_daemon_restarted_during_a_tune_holds_the_point_the_tune_kept(host):
+    config = host.config(rollback="never")
+    first = Daemon(host, config)
+    try:
+        first.ready()
+        host.set("write_delay_ms=60")
+        proc = _start_tune(host, "--budget", "6", "--nightly")
+        wait_until(lambda: _evaluations_started(host, 2), "the tune to be running")
+        assert first.stop() == 0  # e.g. a package upgrade restarts the service mid-tune
+    finally:
+        first.close()
+        first.sock_path.unlink()
+    second = Daemon(host, config)
+    try:
+        out, err = proc.communicate(timeout=WAIT_S)
+        assert proc.returncode == 0, err[-3000:]
+        kept = json.loads(out)["kept"]
+        second.ready()
+        host.set("write_delay_ms=0")
+        second.wait_message(lambda m: "watching" in m.get("STATUS", "") and "is tuning" not in m["STATUS"],
+                            "a poll after the tune")
+        time.sleep(1.0)  # a few more polls
+        assert "efficiency+tuned" in second.output()
+        gpu = host.gpu(0)
+        assert gpu["power_limit_w"] == kept["power_limit_w"]
+        assert gpu["locked_sm_clocks_mhz"][1] == kept["sm_clock_max_mhz"]
+    finally:
+        second.close()
