@@ -147,6 +147,7 @@ class Service:
         self._reload = False
         self._wake_r = self._wake_w = None
         self._said: set = set()
+        self._notify_failed = False
 
     # -- helpers ---------------------------------------------------------------------------
     def _log_once(self, line: str) -> None:
@@ -157,7 +158,19 @@ class Service:
     def status(self, text: str) -> None:
         if text != self._status:
             self._status = text
-            self.notifier.status(text)
+            self._notify(self.notifier.status, text)
+
+    def _notify(self, send, *args, **kwargs) -> None:
+        """sd_notify once running: a socket that fails (gone, refused) is logged once and never
+        stops a restore, a stop or the loop; a systemd that no longer hears the watchdog pings
+        answers that itself. The socket is checked before the first hardware write (run)."""
+        try:
+            send(*args, **kwargs)
+            self._notify_failed = False
+        except HwtuneError as exc:
+            if not self._notify_failed:
+                self._notify_failed = True
+                self.log(f"{exc}; going on without it")
 
     def _load_config(self) -> Config:
         if self.config_path is None:
@@ -409,7 +422,7 @@ class Service:
             self._stop = True
 
     def reload(self) -> None:
-        self.notifier.reloading()
+        self._notify(self.notifier.reloading)
         try:
             config = self._load_config()
         except HwtuneError as exc:
@@ -429,12 +442,13 @@ class Service:
                      "re-applied until it clears")
             if self.metrics:
                 self.metrics.set_profile(None)
-            self.notifier.ready(status=f"reloaded; profile {self.state.profile_name} waits for the safety event to clear")
+            self._notify(self.notifier.ready, status=f"reloaded; profile {self.state.profile_name} waits for the "
+                                                     "safety event to clear")
             return
         self.state.suspended = None
         self.state.resume_when_clear = False
         self.apply_profile("reload")
-        self.notifier.ready(status=f"reloaded; profile {self.state.profile_name}")
+        self._notify(self.notifier.ready, status=f"reloaded; profile {self.state.profile_name}")
 
     def standing_events(self) -> list[str]:
         """Thermal / power-brake events standing now on any GPU (those restore_on answers)."""
@@ -457,7 +471,8 @@ class Service:
 
         ok = True
         if self.config.rollback == "on_exit" and not self.host.read_only:
-            self.notifier.stopping(status="stopping: restoring the settings from before hwtune (rollback: on_exit)")
+            self._notify(self.notifier.stopping,
+                         status="stopping: restoring the settings from before hwtune (rollback: on_exit)")
             self.log("stopping: rollback on_exit, restoring journaled originals")
             try:
                 engine.rollback(self.host, self.state_dir, self.log, wait_s=STOP_LOCK_WAIT_S)
@@ -469,7 +484,7 @@ class Service:
                 ok = False
                 self.log(f"stopping: {exc}")
         else:
-            self.notifier.stopping(status="stopping: keeping the settings (rollback: never)")
+            self._notify(self.notifier.stopping, status="stopping: keeping the settings (rollback: never)")
             self.log("stopping: rollback never, settings kept")
         if self.metrics:
             self.metrics.close()
@@ -517,7 +532,8 @@ class Service:
         applied = False
         if not self.host.read_only:
             self._write_runtime()  # the state directory takes writes: checked before the hardware
-            self.status("waiting for the writer lock" if _lock_held_by_other(self.state_dir) else "recovering")
+            self._status = "waiting for the writer lock" if _lock_held_by_other(self.state_dir) else "recovering"
+            self.notifier.status(self._status)  # a notify socket that does not work: refused before any write
             self.recover(wait_s=START_LOCK_WAIT_S)
             if not self._stop:  # asked to stop while waiting for the lock: apply nothing
                 if self._last_tune_stamp() != self.state.profile_tune_mtime:
@@ -541,7 +557,7 @@ class Service:
                 self.log(f"--once: profile {self.state.profile_name} applied and checked once, "
                          "exiting with the settings in place")
             return 0
-        self.notifier.ready(status=self._status or "watching")
+        self._notify(self.notifier.ready, status=self._status or "watching")
         return self._loop()
 
     def _loop(self) -> int:
@@ -554,7 +570,7 @@ class Service:
         while not self._stop:
             now = time.monotonic()
             if now >= next_ping:
-                self.notifier.watchdog()
+                self._notify(self.notifier.watchdog)
                 next_ping = now + interval
             if now >= next_poll:
                 try:

@@ -184,6 +184,18 @@ def test_ready_watchdog_metrics_then_sigterm_restores_with_rollback_on_exit(host
     assert host.status() == host.original
 
 
+def test_a_notify_socket_gone_after_ready_is_logged_and_the_daemon_goes_on_and_restores_at_stop(host, daemons):
+    d = daemons(host, host.config(rollback="on_exit"))
+    d.ready()
+    d.sock_path.unlink()  # systemd re-executing, or a socket removed under it: the pings fail
+    wait_until(lambda: "cannot send" in d.output(), "a failed notify")
+    assert d.proc.poll() is None, d.output()
+    host.set("gpus.0.power_limit_w=650")
+    wait_until(lambda: host.gpu(0)["power_limit_w"] == 560, "drift still corrected")
+    assert d.output().count("cannot send") == 1  # said once, not per ping
+    assert d.stop() == 0, d.output()
+    assert host.status() == host.original  # rollback: on_exit still ran
+
 def test_sigterm_with_rollback_never_keeps_the_profile(host, daemons):
     d = daemons(host, host.config(rollback="never"))
     d.ready()
