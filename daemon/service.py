@@ -264,6 +264,11 @@ class Service:
         except LockBusyError as exc:
             self.log(f"apply of {self.state.profile_name} postponed: {exc}")
             return False
+        except HwtuneError:
+            # A failed apply wrote and undid: the next attempt waits reapply_min_interval_s too,
+            # or a knob that does not take is written (and undone) at every poll.
+            self.state.last_apply = time.monotonic()
+            raise
         self.state.last_apply = time.monotonic()
         skipped = f", {len(result.skipped)} skipped" if result.skipped else ""
         self.log(f"profile {self.state.profile_name} applied ({why}): {len(result.changed)} change(s){skipped}")

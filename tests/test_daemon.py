@@ -346,3 +346,15 @@ def test_lock_holder_pid_comes_from_the_kernel_not_the_lock_file(tmp_path):
         holder.kill()
         holder.wait()
     assert _lock_held_by_other(state) is None
+
+
+def test_a_reapply_that_fails_is_rate_limited_like_one_that_succeeds(host, daemons):
+    d = daemons(host, host.config(rollback="never", reapply_min_interval_s=3))
+    d.ready()
+    # A driver that answers success and keeps its value: every re-apply fails its read-back.
+    host.set('faults=[{"op": "set_power_limit", "gpu": 0, "error": "Ignored"}]', "gpus.0.power_limit_w=650")
+    wait_until(lambda: "poll: apply failed" in d.output(), "the first re-apply to fail")
+    time.sleep(1.5)  # several polls at 0.2 s, all within reapply_min_interval_s of that attempt
+    out = d.output()
+    assert out.count("re-applying efficiency") == 1, out
+    assert host.gpu(0)["power_limit_w"] == 650
