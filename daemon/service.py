@@ -428,13 +428,16 @@ class Service:
 
     def reload(self) -> None:
         self._notify(self.notifier.reloading)
+        running = self.config
         try:
-            config = self._load_config()
+            self.config = self._load_config()
+            self._load_profile()  # a profile that does not load: the running one stays too
         except HwtuneError as exc:
+            self.config = running
             self.log(f"reload refused, keeping the running config: {exc}")
+            # RELOADING=1 is answered by READY=1 whatever came of it.
+            self._notify(self.notifier.ready, status=f"reload refused; profile {self.state.profile_name}")
             return
-        self.config = config
-        self._load_profile()
         self.log(f"config reloaded from {self.config_path or '<defaults>'}: profile {self.state.profile_name}")
         self.state.last_apply = -1e18
         standing = self.standing_events()
@@ -452,7 +455,12 @@ class Service:
             return
         self.state.suspended = None
         self.state.resume_when_clear = False
-        self.apply_profile("reload")
+        try:
+            self.apply_profile("reload")
+        except HwtuneError as exc:  # undone by the engine; the drift check tries again later
+            self.log(f"reload: {exc}")
+            self._notify(self.notifier.ready, status=f"reloaded; profile {self.state.profile_name} not applied")
+            return
         self._notify(self.notifier.ready, status=f"reloaded; profile {self.state.profile_name}")
 
     def standing_events(self) -> list[str]:

@@ -358,3 +358,26 @@ def test_a_reapply_that_fails_is_rate_limited_like_one_that_succeeds(host, daemo
     out = d.output()
     assert out.count("re-applying efficiency") == 1, out
     assert host.gpu(0)["power_limit_w"] == 650
+
+
+def test_a_sighup_whose_profile_cannot_load_or_apply_keeps_the_daemon_running(host, daemons):
+    d = daemons(host, host.config(rollback="on_exit"))
+    d.ready()
+
+    def answered_reload():
+        n = len(d.messages)
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_message(lambda m: any(x.get("READY") == "1" for x in d.messages[n:]), "READY=1 after the reload")
+        assert d.proc.poll() is None, d.output()
+
+    host.config(rollback="on_exit", profile="no-such-profile")
+    answered_reload()
+    assert "reload refused" in d.output()
+    # A device that answers success and keeps its value: the new profile's apply fails.
+    host.set('faults=[{"op": "set_power_limit", "gpu": 0, "error": "Ignored"}]')
+    host.config(rollback="on_exit", profile="throughput")
+    answered_reload()
+    assert "reload: apply failed" in d.output()
+    host.set("faults=[]")
+    assert d.stop() == 0, d.output()
+    assert host.status() == host.original  # rollback: on_exit still ran
