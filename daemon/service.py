@@ -381,6 +381,9 @@ class Service:
             self.metrics.set_drift(len(drift))
         if not drift:
             return
+        if self.host.read_only:  # watching only: the drift is reported, never re-applied
+            self._log_once(f"drift: {'; '.join(map(str, drift))}; read-only mode, not re-applied")
+            return
         since = time.monotonic() - self.state.last_apply
         if since < self.config.reapply_min_interval_s:
             self.log(f"drift ({'; '.join(map(str, drift))}); re-apply rate-limited "
@@ -563,7 +566,11 @@ class Service:
             if self.state.profile is None:
                 self.log("--once: no profile configured (a config with `profile: NAME`, e.g. "
                          f"{self.config_path or '/etc/hwtune/hwtune.yaml'}): nothing applied or checked")
-            elif not applied and not self.host.read_only:
+            elif self.host.read_only:
+                self.log(f"--once: read-only, profile {self.state.profile_name} checked once, nothing applied: "
+                         f"{self.state.drift} drifted knob(s)")
+                return 1 if self.state.drift else 0
+            elif not applied:
                 self.log(f"--once: profile {self.state.profile_name} not applied (see above)")
                 return 1
             else:

@@ -381,3 +381,27 @@ def test_a_sighup_whose_profile_cannot_load_or_apply_keeps_the_daemon_running(ho
     host.set("faults=[]")
     assert d.stop() == 0, d.output()
     assert host.status() == host.original  # rollback: on_exit still ran
+
+
+def test_a_read_only_daemon_reports_drift_and_keeps_watching(host):
+    config = host.config(rollback="never", metrics={"enabled": False})
+    env = _env({"HWTUNE_READ_ONLY": "1"})
+    once = subprocess.run([sys.executable, "-m", "daemon.cli", "--sim", str(host.sim), "daemon", "--config",
+                           str(config), "--once"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert once.returncode == 1 and "nothing applied: 12 drifted" in once.stderr, once.stderr
+    log = open(host.tmp / "ro.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--sim", str(host.sim), "daemon", "--config",
+                             str(config)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "not re-applied" in (host.tmp / "ro.log").read_text(), "the drift to be reported")
+        time.sleep(1.0)  # several polls
+        assert proc.poll() is None, (host.tmp / "ro.log").read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    assert (host.tmp / "ro.log").read_text().count("not re-applied") == 1
+    assert host.status() == host.original
