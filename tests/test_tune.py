@@ -192,6 +192,7 @@ def test_two_tunes_started_together_one_runs_the_other_is_refused(tmp_path):
     # tuning?" check and their first write at the same time, as two timers firing at once.
     sim = tmp_path / "host.json"
     run_hwtune("sim", "init", sim, "--cpus", "3000", check=True)
+    run_hwtune("sim", "set", sim, "write_delay_ms=1000", check=True)  # the winner holds on while the other starts
     state = tmp_path / "state"
     cmd = [sys.executable, "-m", "daemon.cli", "--sim", str(sim), "--state-dir", str(state), "tune",
            "--no-kernels", "--budget", "2", "--json"]
