@@ -86,8 +86,11 @@ class Marker:
             pass
 
 
-def live_tuner(state_dir, log=None) -> int | None:
-    """Pid of the live tune the marker names, else None (stale markers are removed)."""
+def live_tuner(state_dir, log=None, on_dead=None) -> int | None:
+    """Pid of the live tune the marker names, else None (stale markers are removed). A stale
+    marker is first handed to `on_dead(record)`: the tune it names ended without cleaning up
+    (kill -9, a crash, a reboot), maybe at one of its trial points; the marker stays while
+    `on_dead` returns False (it could not act yet)."""
     path = Path(state_dir) / NAME
     try:
         data = statefile.read_json(path, "tuning marker")
@@ -103,6 +106,8 @@ def live_tuner(state_dir, log=None) -> int | None:
     else:
         why = matches(data, pid)
     if why is not None:
+        if on_dead is not None and isinstance(data, dict) and not on_dead(data):
+            return None
         try:
             path.unlink()
         except OSError:

@@ -85,12 +85,12 @@ def _lock_held_by_other(state_dir: Path) -> int | None:
     return None
 
 
-def tuning_pid(state_dir: Path, log=None) -> int | None:
+def tuning_pid(state_dir: Path, log=None, on_dead=None) -> int | None:
     """Pid of a live tuning cycle (STATE_DIR/tuning.json, its identity checked: daemon.marker)
-    or of another lock holder."""
+    or of another lock holder. `on_dead`: see daemon.marker.live_tuner."""
     from daemon.marker import live_tuner
 
-    pid = live_tuner(state_dir, log)
+    pid = live_tuner(state_dir, log, on_dead)
     if pid is not None:
         return pid
     return _lock_held_by_other(state_dir)
@@ -245,12 +245,17 @@ class Service:
         if restored is not None:
             self.log(f"recovered: {len(restored)} value(s) restored")
 
+    def _dead_tune(self, record: dict) -> bool:
+        from daemon.tune import dead_tune_restorer
+
+        return dead_tune_restorer(self.host, self.state_dir, self._log_once)(record)
+
     def apply_profile(self, why: str) -> bool:
         from hwtune import engine
 
         if self.state.profile is None:
             return False
-        tuner = tuning_pid(self.state_dir, self._log_once)
+        tuner = tuning_pid(self.state_dir, self._log_once, self._dead_tune)
         if tuner is not None:
             # A start or a reload during a tune would write over the point it is measuring;
             # the drift check applies the profile once the tune has ended.
@@ -294,7 +299,7 @@ class Service:
     def poll(self) -> None:
         from hwtune import engine
 
-        tuner = tuning_pid(self.state_dir, self._log_once)
+        tuner = tuning_pid(self.state_dir, self._log_once, self._dead_tune)
         gpus = self.host.gpus.count() if self.host.gpus is not None else 0
         events_now: list[tuple[int, str, str]] = []
         for i in range(gpus):

@@ -236,6 +236,43 @@ def run_kernels(ctx, kernels, device: str, budget: str, log) -> list[dict]:
     return rows
 
 
+def dead_tune_restorer(host, state_dir, log):
+    """`on_dead` for daemon.marker.live_tuner: a tune that died (kill -9, a crash) left the host
+    at one of its trial points, and its marker names the settings it started from, on which GPUs.
+    Put them back (the next tune would otherwise measure from the trial point as its baseline,
+    and a daemon without a profile would hold it). True: done, or nothing to restore (the marker
+    may go); False: not now (read-only, or another writer holds the lock), the marker stays."""
+    def restore(record: dict) -> bool:
+        start, gpus, lo = record.get("baseline"), record.get("gpus"), record.get("sm_clock_min_mhz")
+        ints = lambda *v: all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        if not (isinstance(start, dict) and isinstance(gpus, list) and gpus and ints(*gpus) and ints(lo)):
+            return True   # a marker that names no starting settings: nothing to put back
+        values = [start.get(k) for k in ("power_limit_w", "sm_clock_max_mhz", "sm_clock_min_mhz")]
+        if not (ints(values[0]) and all(v is None or ints(v) for v in values[1:])):
+            return True
+        point = Point(*values)
+        who = f"pid {record.get('pid')}'s tune"
+        if host.read_only:
+            log(f"{who} ended without restoring its starting settings ({point.label()}); read-only: "
+                "not restored here")
+            return False
+        applier = hwloop.HostApplier(host, state_dir, gpus, lo)
+        try:
+            if applier.baseline() == point:
+                return True
+            log(f"{who} ended at a trial point without restoring: putting its starting settings back "
+                f"({point.label()}, GPU {', '.join(map(str, gpus))})")
+            applier(point, on_signal="finish")
+        except LockBusyError:
+            return False
+        except (HwtuneError, IndexError, ValueError) as exc:
+            log(f"could not put back {who}'s starting settings ({point.label()}): {exc}; "
+                "`hwtune rollback` restores the settings from before hwtune")
+        return True
+
+    return restore
+
+
 def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
     """Run the cycle; returns the JSON report."""
     from hwtune import engine
@@ -288,9 +325,14 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
         if engine.pending_journal(state_dir) is not None:
             raise PendingJournalError(f"an interrupted apply left a journal in {state_dir}; "
                                       "run `hwtune rollback` (or start the daemon) first")
-        other = live_tuner(state_dir)
+        other = live_tuner(state_dir, on_dead=dead_tune_restorer(host, state_dir, log))
         if other is not None:
             raise LockBusyError(f"pid {other} is already tuning ({state_dir / TUNING_MARKER})")
+        if (state_dir / TUNING_MARKER).exists():
+            # kept: the dead tune's starting settings could not be put back yet; measured
+            # from here, its trial point would become this tune's baseline
+            raise LockBusyError(f"a tune that died left {state_dir / TUNING_MARKER}, and its starting "
+                                "settings could not be restored yet; try again")
         marker = Marker(state_dir, objective=opts.objective)
 
         from daemon.config import Config, load_config
@@ -303,6 +345,8 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
         applier = hwloop.HostApplier(host, state_dir, gpus, space.sm_clock_min_mhz, log=lambda s: None)
         baseline = applier.baseline()
         report["baseline"] = baseline.to_json()
+        # what to put back should this process die at a trial point (dead_tune_restorer)
+        marker.extra.update(baseline=baseline.to_json(), gpus=list(gpus), sm_clock_min_mhz=space.sm_clock_min_mhz)
         measure_fn = sim_measure(host, gpus, opts.workload) if simulated else gpu_measure(host, gpus)
 
         def apply_point(point: Point) -> None:
