@@ -592,6 +592,7 @@ class Service:
         now = time.monotonic()
         next_poll = now + self.config.poll_interval_s
         next_ping = now if interval else float("inf")
+        poll_error = None
         while not self._stop:
             now = time.monotonic()
             if now >= next_ping:
@@ -600,8 +601,13 @@ class Service:
             if now >= next_poll:
                 try:
                     self.poll()
+                    if poll_error is not None:
+                        self.log("poll: ok again")
+                    poll_error = None
                 except HwtuneError as exc:
-                    self.log(f"poll: {exc}")
+                    if str(exc) != poll_error:  # said once while it stands, not at every poll
+                        self.log(f"poll: {exc}")
+                    poll_error = str(exc)
                 next_poll = time.monotonic() + self.config.poll_interval_s
             if self._reload:
                 self._reload = False

@@ -360,6 +360,20 @@ def test_a_reapply_that_fails_is_rate_limited_like_one_that_succeeds(host, daemo
     assert host.gpu(0)["power_limit_w"] == 650
 
 
+def test_a_poll_error_that_stands_is_logged_once_not_at_every_poll(host, daemons):
+    d = daemons(host, host.config(rollback="never"))
+    d.ready()
+    journal = host.state / "journal.json"
+    good = journal.read_bytes()
+    journal.write_text('{"version": 1, "status": "committed", "profiles": [], "entries": [5]}')
+    host.set("gpus.0.power_limit_w=650")   # drift: the re-apply reads the damaged journal
+    wait_until(lambda: "poll: " in d.output(), "the poll to meet the damaged journal")
+    time.sleep(1.5)  # several polls at 0.2 s
+    assert d.output().count("poll: ") == 1, d.output()
+    journal.write_bytes(good)
+    wait_until(lambda: "poll: ok again" in d.output(), "the poll to recover")
+
+
 def test_a_sighup_whose_profile_cannot_load_or_apply_keeps_the_daemon_running(host, daemons):
     d = daemons(host, host.config(rollback="on_exit"))
     d.ready()
