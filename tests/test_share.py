@@ -3,6 +3,8 @@ between hosts (here: two state directories); another fingerprint is refused unle
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -240,8 +242,6 @@ def test_an_imported_winner_runs_the_plan_this_host_verified_and_an_unverifiable
     overwrote the caller's tensor, and a kernel that is wrong (its text at its own hash) routed."""
     import copy
 
-    import torch
-
     from kernelsearch.dispatch import DispatchTable
     from kernelsearch.harness.verify import make_plan
     from kernelsearch.kernels import template_path
@@ -275,12 +275,21 @@ def test_an_imported_winner_runs_the_plan_this_host_verified_and_an_unverifiable
     (only,) = table.entries
     from kernelsearch.entry import _thaw
     assert _thaw(only.plan) == json.loads(json.dumps(honest)) != aliased
-    x = torch.randn(4, 100)
-    x0, w = x.clone(), torch.rand(100) + 0.5
-    assert table.route("rmsnorm", x, w, 1e-6)[2] == "tuned"
-    out = table.call("rmsnorm", x, w, 1e-6)
-    assert torch.equal(x, x0)
-    assert torch.allclose(out, x0 * torch.rsqrt(x0.pow(2).mean(-1, keepdim=True) + 1e-6) * w, atol=1e-5)
+    # the tuned path in a child: TRITON_INTERPRET must be set before triton is imported
+    child = (
+        "import sys, torch\n"
+        "from kernelsearch.dispatch import DispatchTable\n"
+        "table = DispatchTable.load(sys.argv[1])\n"
+        "x = torch.randn(4, 100); x0, w = x.clone(), torch.rand(100) + 0.5\n"
+        "assert table.route('rmsnorm', x, w, 1e-6)[2] == 'tuned'\n"
+        "out = table.call('rmsnorm', x, w, 1e-6)\n"
+        "assert torch.equal(x, x0), 'the input was written'\n"
+        "assert torch.allclose(out, x0 * torch.rsqrt(x0.pow(2).mean(-1, keepdim=True) + 1e-6) * w, atol=1e-5)\n"
+        "print('ok', table.counts.get(('rmsnorm', 'tuned'), 0))\n")
+    proc = subprocess.run([sys.executable, "-c", child, str(state / "dispatch" / f"{fp_id}.json")],
+                          capture_output=True, text=True, timeout=300, cwd=TESTS.parent,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(TESTS.parent)})
+    assert proc.stdout.split() == ["ok", "1"], proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("part", [{"attempts": [5]}, {"dispatch": [1]}, {"fingerprint_id": ["x"]},
