@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import stat
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from kernelsearch.entry import Entry, EntryError, _thaw, file_sha256  # noqa: F401 -- the table's row type
+from kernelsearch.entry import Entry, EntryError, _thaw, file_sha256, text_sha256  # noqa: F401 -- the table's row type
 
 FORMAT = 1
 
@@ -68,8 +67,6 @@ class _ShapeOf(dict):
 
 # How a call's arguments give the shape keys the specs' sweeps use.
 SHAPE_OF = _ShapeOf()
-
-
 
 
 def table_path(state_dir, fingerprint_id: str) -> Path:
@@ -296,22 +293,14 @@ def source_text(source: dict) -> tuple[str, Path] | None:
         path = template_path(kernel)
     else:
         path = Path(source["path"])
-    return _read_source_file(path).decode("utf-8"), path
+    # as the harness reads a candidate: a FIFO named as a source hung the model's first call,
+    # /dev/zero filled its memory
+    from kernelsearch.harness.source import MAX_SOURCE_BYTES, read_source
 
-
-def _read_source_file(path: Path) -> bytes:
-    """A regular file's bytes, no more than the harness reads of a candidate (OSError otherwise):
-    a FIFO named as a source hung the model's first call, /dev/zero filled its memory."""
-    from kernelsearch.harness.source import MAX_SOURCE_BYTES
-
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path}: not a regular file")
-        data = f.read(MAX_SOURCE_BYTES + 1)
+    data = read_source(path)
     if len(data) > MAX_SOURCE_BYTES:
         raise OSError(f"{path}: larger than {MAX_SOURCE_BYTES} bytes")
-    return data
+    return data.decode("utf-8"), path
 
 
 class TunedKernel:
@@ -407,7 +396,7 @@ def _load_tuned(entry: Entry):
         text, _path = found
         # the hash of the text compiled, not of the file read again: it may change in between;
         # an entry without one names no verified text, so whatever file is there is not it
-        if not entry.source_hash or hashlib.sha256(text.encode("utf-8")).hexdigest()[:16] != entry.source_hash:
+        if not entry.source_hash or text_sha256(text) != entry.source_hash:
             return None
         return TunedKernel(entry, get_spec(entry.kernel), text)
     except (ImportError, OSError, UnicodeDecodeError, KeyError, ValueError, TypeError, SourceError, PlanInvalid):

@@ -44,6 +44,11 @@ def file_sha256(path) -> str:
     return h.hexdigest()[:16]
 
 
+def text_sha256(text: str) -> str:
+    """file_sha256 of the file that holds `text` (UTF-8): the hash of what is compiled."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class Entry:
     """One row of a dispatch table: at (kernel, dtype, shape[, range]) run `plan` (verified from

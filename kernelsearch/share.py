@@ -25,13 +25,13 @@ Import rules:
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import socket
 import time
 from pathlib import Path
 
+from kernelsearch.entry import text_sha256
 from kernelsearch.ledger import COLUMNS, Ledger, canonical, file_hash
 
 FORMAT = "hwtune-share"
@@ -216,12 +216,12 @@ def _merge_entries(table, dispatch, bundle, state_dir, report, foreign, theirs_i
         if src_path:
             text = (bundle.get("sources") or {}).get(entry.source_hash)
             if not isinstance(text, str) or not isinstance(entry.source_hash, str) or \
-                    not entry.source_hash.isalnum() or _text_hash(text) != entry.source_hash:
+                    not entry.source_hash.isalnum() or text_sha256(text) != entry.source_hash:
                 _refuse(report, entry, "its source text is not in the bundle under its hash")
                 continue
             source_dir.mkdir(parents=True, exist_ok=True)
             local = source_dir / f"{entry.source_hash}.py"
-            if not local.is_file() or _text_hash(local.read_text()) != entry.source_hash:
+            if not local.is_file() or text_sha256(local.read_text()) != entry.source_hash:
                 local.write_text(text)
             changes["source"] = {"path": str(local.resolve())}
         if foreign:
@@ -260,10 +260,6 @@ def _same_kernel(a, b) -> bool:
            (b.source_hash, canonical(dict(b.params)), dict(b.source or {}))
 
 
-def _text_hash(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-
-
 def _refuse(report: dict, entry, why: str) -> None:
     report["entries_refused"] += 1
     report["refused"].append(f"{entry.kernel} {entry.dtype} {canonical(dict(entry.shape))}: {why}"[:300])
@@ -289,7 +285,7 @@ def _verified_plan(entry, device: str) -> tuple[dict | None, str]:
         found = source_text(dict(entry.source or {}))
     except (OSError, UnicodeDecodeError):
         found = None
-    if found is None or _text_hash(found[0]) != entry.source_hash:
+    if found is None or text_sha256(found[0]) != entry.source_hash:
         return None, "its source is not here with its hash (a built-in template of another version?)"
     verdict = evaluate(entry.kernel, found[1], dict(entry.params), device=device, shapes=[shape],
                        dtype=entry.dtype, time_it=False)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import ast
 import atexit
 import collections
+import errno
 import hashlib
 import importlib.util
 import os
@@ -50,14 +51,6 @@ from pathlib import Path
 from kernelsearch.harness.plan import TL_DTYPES
 
 MAX_SOURCE_BYTES = 512 * 1024
-
-
-def read_source(path) -> bytes:
-    """A candidate file's bytes, read no further than one byte past MAX_SOURCE_BYTES (a larger file
-    is refused by the check below, so a file of gigabytes is never read into memory whole)."""
-    with open(path, "rb") as f:
-        return f.read(MAX_SOURCE_BYTES + 1)
-
 # Deepest AST a candidate may have (the templates reach 19): every check below recurses along
 # expressions, and a chain such as `w + 1 + 1 + ...` nests one level a term. Past this depth the
 # file is refused as a whole, before any recursive check, whatever Python's recursion limit is.
@@ -111,6 +104,18 @@ HOST_FORBIDDEN_ATTRS = {
     "cr_frame", "ag_frame", "tb_frame", "tb_next", "attrgetter", "methodcaller",
     "get_type_hints", "ForwardRef", "_evaluate", "system", "popen",
 }
+
+
+def read_source(path) -> bytes:
+    """A kernel source file's bytes (a candidate's, or a table entry's), read no further than one
+    byte past MAX_SOURCE_BYTES: a larger file is refused by the check below and never read into
+    memory whole. Opened without blocking; OSError when it is not a regular file (a FIFO would
+    hang the reader, /dev/zero never end)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return f.read(MAX_SOURCE_BYTES + 1)
 
 
 def _private(name: str) -> bool:
