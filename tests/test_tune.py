@@ -106,53 +106,45 @@ def test_kill9_mid_tune_leaves_nothing_the_next_daemon_start_does_not_restore(ho
     assert host.status() == host.original
 
 
-def _kill9_at_a_trial_point(host, proc):
-    """SIGKILL the tune while it sits at a trial point other than where it started (its journal
-    committed: not mid-apply)."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        proc.send_signal(signal.SIGSTOP)
-        try:
-            committed = json.loads((host.state / "journal.json").read_text()).get("status") == "committed"
-        except (OSError, ValueError):
-            committed = False
-        if committed and host.status() != host.original:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            return
-        proc.send_signal(signal.SIGCONT)
-        time.sleep(0.02)
-    raise AssertionError("the tune never sat at a trial point")
-
-
-def test_a_tune_killed_at_a_trial_point_has_its_starting_settings_put_back_by_the_next(host):
-    """kill -9 between trials left the host at a trial point, and a committed journal: the next
-    tune took that point as its baseline (and the daemon without a profile held it)."""
+def _tune_killed_at_a_trial_point(host):
+    """Start a tune and SIGKILL it while it sits at a trial point other than where it started
+    (its journal committed: not mid-apply)."""
     host.set("write_delay_ms=30")
     proc = _start_tune(host)
     try:
-        _kill9_at_a_trial_point(host, proc)
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                committed = json.loads((host.state / "journal.json").read_text()).get("status") == "committed"
+            except (OSError, ValueError):
+                committed = False
+            if committed and host.status() != host.original:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                break
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(0.02)
+        else:
+            raise AssertionError("the tune never sat at a trial point")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     host.set("write_delay_ms=0")
     assert host.status() != host.original   # left at a trial point
+
+
+def test_a_tune_killed_at_a_trial_point_has_its_starting_settings_put_back_by_the_next(host):
+    """kill -9 between trials left the host at a trial point, and a committed journal: the next
+    tune took that point as its baseline (and the daemon without a profile held it)."""
+    _tune_killed_at_a_trial_point(host)
     r, report = tune(host, "--budget", "1")
     assert "ended at a trial point without restoring" in r.stderr, r.stderr[-2000:]
     assert host.status() == host.original and not (host.state / "tuning.json").exists()
     first = report["baseline"]
     # the same through the daemon, with no profile of its own
-    host.set("write_delay_ms=30")
-    proc = _start_tune(host)
-    try:
-        _kill9_at_a_trial_point(host, proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    host.set("write_delay_ms=0")
-    assert host.status() != host.original
+    _tune_killed_at_a_trial_point(host)
     config = host.config(rollback="never", metrics={"enabled": False}, profile=None)
     d = run_hwtune("--sim", host.sim, "daemon", "--config", config, "--once")
     assert "ended at a trial point without restoring" in d.stderr, d.stderr[-2000:]

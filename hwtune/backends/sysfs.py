@@ -71,32 +71,31 @@ def find_pcie_capability(config: bytes, where: str = "") -> int:
     raise ConfigSpaceUnavailable(where, "NotSupported", "no PCI Express capability (not a PCIe function)")
 
 
-def _outside(root_real: str, real: str) -> bool:
-    return root_real != "/" and not real.startswith(root_real + "/")
+def _require_inside(root_real: str, real: str, path: Path) -> None:
+    """Refuse to write `path`, which resolves to `real`, unless it lies under the sysfs root.
+    Under a real /sys the PCI device links stay inside /sys; with the root "/" there is nothing
+    to check."""
+    if root_real != "/" and not real.startswith(root_real + "/"):
+        raise HwtuneError(f"{path}: resolves to {real[:200]}, outside the sysfs root {root_real}; "
+                          "refusing to write it")
 
 
 def _check_inside(root_real: str, fd: int, path: Path) -> None:
     """The file actually opened (not its name: a link in a fixture tree may point anywhere)
-    must lie under the sysfs root before hwtune writes it. Under a real /sys the PCI device
-    links stay inside /sys; with the root "/" there is nothing to check."""
+    must lie under the sysfs root before hwtune writes it."""
     if root_real == "/":
         return
     try:
         real = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         real = os.path.realpath(path)
-    if _outside(root_real, real):
-        raise HwtuneError(f"{path}: resolves to {real[:200]}, outside the sysfs root {root_real}; "
-                          "refusing to write it")
+    _require_inside(root_real, real, path)
 
 
 def write_attr(root_real: str, path: Path, text: str) -> None:
     """Write a sysfs attribute, never through a link that leaves the sysfs root (checked on
     the resolved name: opening first would truncate the file it points at)."""
-    real = os.path.realpath(path)
-    if _outside(root_real, real):
-        raise HwtuneError(f"{path}: resolves to {real[:200]}, outside the sysfs root {root_real}; "
-                          "refusing to write it")
+    _require_inside(root_real, os.path.realpath(path), path)
     path.write_text(text)
 
 
