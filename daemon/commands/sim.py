@@ -1,7 +1,9 @@
 """hwtune sim init|set|show: create and edit a simulated host file.
 
-These edit the simulation (its "hardware" and telemetry), so they are not host writes and
---read-only does not apply to them. Values in `sim set` are JSON when they parse as JSON
+These edit the simulated host itself (its settings, faults and telemetry): --read-only (or
+HWTUNE_READ_ONLY=1) refuses `set`, and `init --force` over an existing file, before anything
+is written (exit 4, as every read-only refusal), so read-only means no change to the host,
+simulated or not. A new file (`init` where there is none) changes no host. Values in `sim set` are JSON when they parse as JSON
 (numbers, true, null, lists), text otherwise.
 """
 from __future__ import annotations
@@ -10,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from hwtune.errors import UsageError
+from hwtune.errors import ReadOnlyError, UsageError
 
 
 def add_sim_arguments(p) -> None:
@@ -57,6 +59,9 @@ def run_sim(args, ctx) -> int:
 
         if args.file.exists() and not args.force:
             raise UsageError(f"{args.file}: exists (use --force to overwrite)")
+        if args.file.exists() and ctx.read_only:
+            raise ReadOnlyError(f"read-only mode: overwriting the simulated host {args.file} refused; "
+                                "nothing was written")
         if args.file.is_dir():
             raise UsageError(f"{args.file}: is a directory (name the JSON file to create)")
         if args.cpus < 1:
@@ -74,6 +79,9 @@ def run_sim(args, ctx) -> int:
         return 0
     sim = SimFile(args.file)
     if args.sim_command == "set":
+        if ctx.read_only:
+            raise ReadOnlyError(f"read-only mode: sim set on {args.file} refused (it changes the simulated "
+                                "host); nothing was written")
         pairs = []
         for a in args.assignments:
             key, sep, value = a.partition("=")
