@@ -127,6 +127,7 @@ class State:
     last_tune_mtime: float | None = None
     profile_tune_mtime: float = 0.0  # last_tune.json's mtime when the profile was chosen
     resume_when_clear: bool = False  # a reload came during a safety event: apply once it clears
+    pending: bool = False            # read-only: an interrupted apply's journal stands, unrestored
 
 
 class Service:
@@ -298,6 +299,7 @@ class Service:
     # -- one poll --------------------------------------------------------------------------
     def poll(self) -> None:
         from hwtune import engine
+        from hwtune.journal import journal_path
 
         tuner = tuning_pid(self.state_dir, self._log_once, self._dead_tune)
         gpus = self.host.gpus.count() if self.host.gpus is not None else 0
@@ -354,7 +356,12 @@ class Service:
             return
         if self.state.probation > 0 and not events_now:
             self.state.probation -= 1
-        if self.state.suspended is None and engine.pending_journal(self.state_dir) is not None:
+        pending = self.state.suspended is None and engine.pending_journal(self.state_dir) is not None
+        self.state.pending = pending and self.host.read_only
+        if self.state.pending:  # watching only: said once, never restored, never "ok"
+            self._log_once(f"an interrupted apply left {journal_path(self.state_dir)}; "
+                           "read-only mode, not restored (`hwtune rollback` restores it)")
+        elif pending:
             # A tuning run died mid-apply while we watched: restore, then re-apply.
             try:
                 self.recover()
@@ -573,8 +580,9 @@ class Service:
                          f"{self.config_path or '/etc/hwtune/hwtune.yaml'}): nothing applied or checked")
             elif self.host.read_only:
                 self.log(f"--once: read-only, profile {self.state.profile_name} checked once, nothing applied: "
-                         f"{self.state.drift} drifted knob(s)")
-                return 1 if self.state.drift else 0
+                         f"{self.state.drift} drifted knob(s)"
+                         + ("; an interrupted apply's journal is not restored" if self.state.pending else ""))
+                return 1 if self.state.drift or self.state.pending else 0
             elif not applied:
                 self.log(f"--once: profile {self.state.profile_name} not applied (see above)")
                 return 1

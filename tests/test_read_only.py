@@ -68,3 +68,35 @@ def test_backend_setters_refuse_before_calling_the_device(tmp_path):
     with pytest.raises(ReadOnlyError):
         SysfsCpu(root, host.guard_write).set_governors({"cpu0": "performance"})
     assert snapshot(root) == original
+
+
+@pytest.mark.parametrize("how,flag,env", READ_ONLY, ids=[r[0] for r in READ_ONLY])
+def test_sim_set_and_sim_init_force_change_no_simulated_host_in_read_only(tmp_path, how, flag, env):
+    sim = make_sim(tmp_path)
+    before = sim.read_bytes()
+    for cmd in (["sim", "set", sim, "write_delay_ms=5"], ["sim", "set", sim, "gpus.0.power_limit_w=300", "--json"],
+                ["sim", "init", sim, "--force"]):
+        r = run_hwtune(*flag, *cmd, env=env)
+        assert r.returncode == 4, (cmd, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and "read-only mode" in r.stderr, r.stderr
+        if "--json" in cmd:
+            assert json.loads(r.stdout) == {"ok": False, "error": r.stderr.split(": ", 1)[1].strip(), "exit_code": 4}
+        assert sim.read_bytes() == before
+    run_hwtune(*flag, "sim", "show", sim, env=env, check=True)  # reading it still works
+
+
+def test_a_read_only_daemon_once_names_a_pending_journal_and_writes_no_setting(tmp_path):
+    sim = make_sim(tmp_path)
+    run_hwtune("--sim", sim, "apply", "-p", "throughput", check=True)
+    journal = tmp_path / "host.json.state" / "journal.json"
+    data = json.loads(journal.read_text())
+    data["status"] = "in_progress"  # as an apply killed half way leaves it
+    journal.write_text(json.dumps(data))
+    host, kept = sim.read_bytes(), journal.read_bytes()
+    config = tmp_path / "hwtune.yaml"
+    config.write_text("profile: throughput\nmetrics: {enabled: false}\n")
+    config.chmod(0o600)
+    r = run_hwtune("--read-only", "--sim", sim, "daemon", "--config", config, "--once")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "interrupted apply" in r.stderr and "not restored" in r.stderr.splitlines()[-1], r.stderr
+    assert sim.read_bytes() == host and journal.read_bytes() == kept
