@@ -182,6 +182,9 @@ def status(host, state_dir) -> dict:
         j = read_journal(state_dir)
         out["journal"] = None if j is None else {"status": j.get("status"), "entries": len(j["entries"]),
                                                  "profiles": [p.get("profile") for p in j.get("profiles", [])]}
+        problems = journal_problems(host, state_dir) if j is not None else []
+        if problems:  # never shown as a journal rollback can undo
+            out["journal"]["not_restorable"] = problems
     except HwtuneError as exc:
         out["journal"] = {"error": str(exc)}
     return out
@@ -290,6 +293,23 @@ def pending_journal(state_dir) -> dict | None:
     return j if j is not None and (j.get("status") == IN_PROGRESS or j.get("unreadable")) else None
 
 
+def journal_problems(host, state_dir) -> list:
+    """One line per journal entry rollback could not restore on this host now (a GPU index or
+    a PCIe function that is gone, an entry outside its knob's namespace, a damaged entry);
+    [] without a journal. Apply refuses over these: what it adds would stand on a journal
+    that cannot be undone in full."""
+    loaded = journal_mod.load(state_dir)
+    return [] if loaded is None else _check_entries(host, loaded)[1]
+
+
+def _blocked(state_dir, problems: list) -> str:
+    path = Path(state_dir) / JOURNAL_NAME
+    n = len(problems)
+    return (f"journal {path}: {n} entr{'y' if n == 1 else 'ies'} rollback cannot restore on this host: "
+            f"{_summary(problems)}; bring the device back and run `hwtune rollback`, or run `hwtune rollback` "
+            f"(it restores every other entry) and, once the device is gone for good, remove {path}")
+
+
 # --- apply -------------------------------------------------------------------------------
 class _Stopped(Exception):
     """A held signal asks the sequence to stop at this step boundary."""
@@ -382,6 +402,9 @@ def apply(host, profile, state_dir, log: Callable[[str], None] = _stderr, on_sig
             pending = pending_journal(state_dir)
         except HwtuneError as exc:
             raise PendingJournalError(f"{exc}; apply refused until then") from None
+        problems = journal_problems(host, state_dir)
+        if problems:
+            raise PendingJournalError(f"{_blocked(state_dir, problems)}; apply refused until then")
         if pending is not None:
             raise PendingJournalError(
                 f"an interrupted apply left {len(pending['entries'])} journaled original value(s) in "
@@ -498,14 +521,17 @@ class RollbackIncomplete(HwtuneError):
 
 
 def _check_entries(host, loaded) -> tuple:
-    """(entries rollback may restore, unreadable lines): each entry is checked against its
-    knob's own device namespace before anything is written."""
-    valid, bad = [], list(loaded.unreadable)
+    """(entries rollback may restore, unreadable lines, entries held back): each entry is
+    checked against its knob's own device namespace before anything is written. An entry held
+    back is whole (its original is known) but not for this host now, e.g. a GPU that fell off
+    the bus: it stays an entry in the journal, so a rollback once the device is back restores it."""
+    valid, bad, held = [], list(loaded.unreadable), []
     for n, e in enumerate(loaded.entries, 1):
         label = f"{str(e['target'])[:60]} {str(e['field'])[:60]}"
         cls = KNOBS.get(e["family"])
         if cls is None:
             bad.append(f"{label}: unknown family {str(e['family'])[:40]!r}")
+            held.append(e)
             continue
         try:
             why = cls().journal_problem(host, e["target"], e["field"], e["original"])
@@ -513,9 +539,10 @@ def _check_entries(host, loaded) -> tuple:
             why = f"cannot be checked against this host ({exc})"
         if why:
             bad.append(f"{label}: {why}")
+            held.append(e)
         else:
             valid.append(e)
-    return valid, bad
+    return valid, bad, held
 
 
 def _summary(items: list, limit: int = 6) -> str:
@@ -552,7 +579,7 @@ def rollback(host, state_dir, log: Callable[[str], None] = _stderr, wait_s: floa
         if only_pending and loaded.data.get("status") != IN_PROGRESS and not loaded.torn and not loaded.unreadable:
             return None
         journal = Journal(state_dir, loaded.data)
-        valid, unreadable = _check_entries(host, loaded)
+        valid, unreadable, held = _check_entries(host, loaded)
         if not valid and not unreadable:
             log("nothing to roll back: the journal is empty")
             journal.remove()
@@ -579,7 +606,8 @@ def rollback(host, state_dir, log: Callable[[str], None] = _stderr, wait_s: floa
                     failed.append((entry, str(exc) or type(exc).__name__))
                     log(f"could not restore {target} {name}: {exc}")
             if failed or unreadable:
-                _keep(journal, loaded, [e for e in valid if any(e is f for f, _ in failed)], unreadable, log)
+                keep = [e for e in loaded.entries if any(e is h for h in held) or any(e is f for f, _ in failed)]
+                _keep(journal, loaded, keep, log)
                 parts = []
                 if failed:
                     parts.append(f"{len(failed)} value(s) not restored: "
@@ -599,15 +627,16 @@ def rollback(host, state_dir, log: Callable[[str], None] = _stderr, wait_s: floa
         return restored
 
 
-def _keep(journal: Journal, loaded, entries: list, unreadable: list, log) -> None:
-    """Rewrite the journal with what is still to restore. A damaged file is kept as
+def _keep(journal: Journal, loaded, entries: list, log) -> None:
+    """Rewrite the journal with what is still to restore: the entries, and the lines of what
+    could not be read as one (loaded.unreadable). A damaged file is kept as
     journal.json.damaged first; on a full disk the old journal (a superset) stays."""
     try:
         if loaded.torn:
             raw = statefile.read_bytes(journal.path, "journal")
             if raw is not None:
                 statefile.write_bytes(journal.path.with_name(JOURNAL_NAME + ".damaged"), raw)
-        journal.data = dict(loaded.data, status=IN_PROGRESS, entries=entries, unreadable=unreadable)
+        journal.data = dict(loaded.data, status=IN_PROGRESS, entries=entries, unreadable=list(loaded.unreadable))
         journal.save()
     except HwtuneError as exc:
         log(f"journal {journal.path} left as it was ({exc})")

@@ -379,3 +379,40 @@ def test_plain_http_with_credentials_is_refused_unless_the_profile_allows_it(tmp
                                                  "  allow_insecure_http: true\n  expect: {PowerProfile: MaxPerf}\n")
     r = run_hwtune("--sysfs-root", root, "--state-dir", tmp_path / "s", "plan", "-p", allowed)
     assert r.returncode == 0 and "BMC unreachable" in r.stderr and "Hunter2pw" not in r.stderr + r.stdout
+
+
+def test_a_journal_entry_for_a_device_that_is_gone_blocks_apply_and_is_restored_once_it_is_back(tmp_path):
+    # A committed journal, well-formed, whose gpu1 and its PCIe function left the host (a GPU
+    # that fell off the bus): apply must not add to a journal it cannot undo, rollback restores
+    # all else and keeps those entries (with their originals) for when the device is back.
+    sim, original, journal = _applied(tmp_path)
+    applied = json.loads(sim.read_text())
+    gone = json.loads(sim.read_text())
+    gone["gpus"].pop()
+    gone["pcie"] = [f for f in gone["pcie"] if f["bdf"] != "0000:2a:00.0"]
+    sim.write_text(json.dumps(gone))
+    s = status_json(sim)["journal"]
+    assert len(s["not_restorable"]) == 5 and all("gpu1" in x or "0000:2a:00.0" in x for x in s["not_restorable"])
+    assert "rollback cannot restore" in run_hwtune("--sim", sim, "status", check=True).stdout
+    before = sim.read_bytes()
+    r = run_hwtune("--sim", sim, "apply", "-p", "efficiency")
+    assert r.returncode == 3 and "gpu1" in r.stderr and "hwtune rollback" in r.stderr, r.stderr
+    r = run_hwtune("--sim", sim, "apply", "-p", "efficiency", "--json")
+    assert r.returncode == 3 and json.loads(r.stdout)["exit_code"] == 3
+    assert sim.read_bytes() == before
+    r = run_hwtune("--sim", sim, "rollback")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "7 value(s) restored" in last and "gpu1 persistence_mode" in last and "0000:2a:00.0" in last
+    now = status_json(sim)
+    assert now["gpus"] == original["gpus"][:1] and now["cpu"] == original["cpu"]
+    assert [e["target"] for e in json.loads(journal.read_text())["entries"]].count("gpu1") == 3  # originals kept
+    assert run_hwtune("--sim", sim, "rollback", "--json").returncode == 1
+    assert run_hwtune("--sim", sim, "apply", "-p", "efficiency").returncode == 3
+    back = json.loads(sim.read_text())
+    back["gpus"].append(applied["gpus"][1])
+    back["pcie"].insert(1, applied["pcie"][1])
+    sim.write_text(json.dumps(back))
+    r = run_hwtune("--sim", sim, "rollback", check=True)
+    assert "rolled back 5 value(s)" in r.stdout and not journal.exists()
+    assert status_json(sim)["gpus"] == original["gpus"] and status_json(sim)["pcie"] == original["pcie"]

@@ -116,6 +116,10 @@ def _journal_line(j: dict) -> str:
         text += f" from {', '.join(map(str, j['profiles']))}"
     if j["status"] != "committed":
         text += " (an interrupted apply: run `hwtune rollback`)"
+    bad = j.get("not_restorable") or []
+    if bad:
+        text += (f"; ! {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} rollback cannot restore on this host "
+                 f"(apply refuses until it can): " + "; ".join(bad[:6]) + (f"; and {len(bad) - 6} more" if len(bad) > 6 else ""))
     return text
 
 
@@ -191,6 +195,11 @@ def run_plan(args, ctx) -> int:
         skipped.append(bios_error)
     try:
         pending = engine.pending_journal(ctx.state_dir)
+        problems = engine.journal_problems(host, ctx.state_dir)
+        if problems:  # apply refuses over a journal it could not undo in full: say it here too
+            skipped.append(f"journal: {len(problems)} entr{'y' if len(problems) == 1 else 'ies'} rollback cannot "
+                           f"restore on this host: {'; '.join(problems[:6])}")
+            pending = True
     except HwtuneError as exc:  # a damaged or untrusted journal: plan still answers, and says so
         skipped.append(f"journal: {exc}")
         pending = True
