@@ -177,3 +177,16 @@ def test_json_is_one_document_on_every_error_path_with_the_exit_code(tmp_path):
     assert doc("plan", "--bogus") == 2  # a usage error too (argparse's own and hwtune's)
     assert doc("plan", "-p") == 2
 
+
+
+def test_apply_json_names_a_bmc_it_could_not_read_instead_of_an_empty_bios_drift(tmp_path):
+    root = build(tmp_path / "root")
+    prof = write_profile(tmp_path, "bmc-down", "cpu:\n  governor: performance\nbios:\n  endpoint: http://127.0.0.1:9\n"
+                                               "  expect: {PowerProfile: MaxPerf}\n")
+    common = ("--sysfs-root", root, "--state-dir", tmp_path / "state")
+    proc = run_hwtune(*common, "apply", "-p", prof, "--json")
+    _no_traceback(proc)
+    doc = json.loads(proc.stdout)
+    assert doc["bios_drift"] == [] and len(doc["not_checked"]) == 1
+    assert doc["not_checked"][0].startswith("bios: not checked (redfish http://127.0.0.1:9: BMC unreachable")
+    run_hwtune(*common, "rollback", check=True)

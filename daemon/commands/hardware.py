@@ -248,8 +248,10 @@ def run_apply(args, ctx) -> int:
     except (OSError, ValueError):
         pass
     if args.json:
+        # "bios_drift": [] alone would read as "the BIOS matches" when the BMC was not read.
         _after_writes(json.dumps({"profile": profile.name, **result.to_json(), "unmatched": unmatched,
-                                  "bios_drift": [c.to_json() for c in bios]}, indent=2) + "\n")
+                                  "bios_drift": [c.to_json() for c in bios],
+                                  "not_checked": [bios_error] if bios_error else []}, indent=2) + "\n")
         return 0
     parts = [f"{len(result.changed)} change(s)", f"{len(result.skipped)} skipped"]
     if unmatched:
