@@ -325,6 +325,9 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
         if engine.pending_journal(state_dir) is not None:
             raise PendingJournalError(f"an interrupted apply left a journal in {state_dir}; "
                                       "run `hwtune rollback` (or start the daemon) first")
+        problems = engine.journal_problems(host, state_dir)
+        if problems:  # every point would be refused by apply: say it once, before the first
+            raise PendingJournalError(f"{engine.journal_blocked(state_dir, problems)}; tune refused until then")
         other = live_tuner(state_dir, on_dead=dead_tune_restorer(host, state_dir, log))
         if other is not None:
             raise LockBusyError(f"pid {other} is already tuning ({state_dir / TUNING_MARKER})")

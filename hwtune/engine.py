@@ -302,7 +302,7 @@ def journal_problems(host, state_dir) -> list:
     return [] if loaded is None else _check_entries(host, loaded)[1]
 
 
-def _blocked(state_dir, problems: list) -> str:
+def journal_blocked(state_dir, problems: list) -> str:
     path = Path(state_dir) / JOURNAL_NAME
     n = len(problems)
     return (f"journal {path}: {n} entr{'y' if n == 1 else 'ies'} rollback cannot restore on this host: "
@@ -404,7 +404,7 @@ def apply(host, profile, state_dir, log: Callable[[str], None] = _stderr, on_sig
             raise PendingJournalError(f"{exc}; apply refused until then") from None
         problems = journal_problems(host, state_dir)
         if problems:
-            raise PendingJournalError(f"{_blocked(state_dir, problems)}; apply refused until then")
+            raise PendingJournalError(f"{journal_blocked(state_dir, problems)}; apply refused until then")
         if pending is not None:
             raise PendingJournalError(
                 f"an interrupted apply left {len(pending['entries'])} journaled original value(s) in "

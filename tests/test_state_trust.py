@@ -399,6 +399,8 @@ def test_a_journal_entry_for_a_device_that_is_gone_blocks_apply_and_is_restored_
     assert r.returncode == 3 and "gpu1" in r.stderr and "hwtune rollback" in r.stderr, r.stderr
     r = run_hwtune("--sim", sim, "apply", "-p", "efficiency", "--json")
     assert r.returncode == 3 and json.loads(r.stdout)["exit_code"] == 3
+    r = run_hwtune("--sim", sim, "tune", "--no-kernels", "--budget", "2")
+    assert r.returncode == 3 and "gpu1" in r.stderr and "could not restore" not in r.stderr, r.stderr
     assert sim.read_bytes() == before
     r = run_hwtune("--sim", sim, "rollback")
     assert r.returncode == 1 and "Traceback" not in r.stderr
