@@ -534,7 +534,15 @@ def _check_entries(host, loaded) -> tuple:
             held.append(e)
             continue
         try:
-            why = cls().journal_problem(host, e["target"], e["field"], e["original"])
+            knob = cls()
+            part = knob.split_original(host, e["target"], e["field"], e["original"])
+            if part is not None and knob.journal_problem(host, e["target"], e["field"], part[0]) is None:
+                # CPUs gone since the apply: restore those that are here, keep the rest
+                bad.append(f"{label}: {knob.journal_problem(host, e['target'], e['field'], part[1])}")
+                valid.append(dict(e, original=part[0]))
+                held.append(dict(e, original=part[1]))
+                continue
+            why = knob.journal_problem(host, e["target"], e["field"], e["original"])
         except Exception as exc:
             why = f"cannot be checked against this host ({exc})"
         if why:
@@ -606,8 +614,7 @@ def rollback(host, state_dir, log: Callable[[str], None] = _stderr, wait_s: floa
                     failed.append((entry, str(exc) or type(exc).__name__))
                     log(f"could not restore {target} {name}: {exc}")
             if failed or unreadable:
-                keep = [e for e in loaded.entries if any(e is h for h in held) or any(e is f for f, _ in failed)]
-                _keep(journal, loaded, keep, log)
+                _keep(journal, loaded, _merged(loaded.entries, held + [e for e, _ in failed]), log)
                 parts = []
                 if failed:
                     parts.append(f"{len(failed)} value(s) not restored: "
@@ -625,6 +632,19 @@ def rollback(host, state_dir, log: Callable[[str], None] = _stderr, wait_s: floa
                 raise signals.Interrupted(sig.stop, f"{signals.name(sig.stop)} during rollback: finished first, "
                                                     f"{len(restored)} value(s) restored, journal removed")
         return restored
+
+
+def _merged(order: list, entries: list) -> list:
+    """`entries` in journal order, the parts of one split per-CPU original joined again."""
+    out: dict = {}
+    for e in entries:
+        key = (e["target"], e["field"])
+        if key in out and isinstance(out[key]["original"], dict) and isinstance(e["original"], dict):
+            out[key] = dict(out[key], original={**out[key]["original"], **e["original"]})
+        else:
+            out.setdefault(key, e)
+    rank = {(e["target"], e["field"]): n for n, e in reversed(list(enumerate(order)))}
+    return sorted(out.values(), key=lambda e: rank.get((e["target"], e["field"]), len(rank)))
 
 
 def _keep(journal: Journal, loaded, entries: list, log) -> None:

@@ -418,3 +418,36 @@ def test_a_journal_entry_for_a_device_that_is_gone_blocks_apply_and_is_restored_
     r = run_hwtune("--sim", sim, "rollback", check=True)
     assert "rolled back 5 value(s)" in r.stdout and not journal.exists()
     assert status_json(sim)["gpus"] == original["gpus"] and status_json(sim)["pcie"] == original["pcie"]
+
+
+def test_cpus_gone_since_the_apply_are_kept_and_every_other_cpu_is_restored(tmp_path):
+    sim, original, journal = _applied(tmp_path)
+    applied = json.loads(sim.read_text())
+    gone = json.loads(sim.read_text())
+    gone["cpu"]["cpus"].pop()  # cpu7 went offline after the apply
+    sim.write_text(json.dumps(gone))
+    r = run_hwtune("--sim", sim, "rollback")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "'cpu7'" in last and "'cpu7/state0'" in last, last
+    now = status_json(sim)["cpu"]
+    assert now["governor"] == "powersave" and now["max_cstate_latency_us"] == 133  # cpu0..6 restored
+    kept = {e["field"]: e["original"] for e in json.loads(journal.read_text())["entries"]}
+    assert kept["governor"] == {"cpu7": "powersave"} and set(kept["max_cstate_latency_us"]) == {
+        f"cpu7/state{k}" for k in range(4)}
+    back = json.loads(sim.read_text())
+    back["cpu"]["cpus"].append(applied["cpu"]["cpus"][-1])
+    sim.write_text(json.dumps(back))
+    run_hwtune("--sim", sim, "rollback", check=True)
+    assert status_json(sim)["cpu"] == original["cpu"] and not journal.exists()
+
+
+def test_a_cpu_brought_online_since_the_apply_does_not_fail_the_rollback_of_the_others(tmp_path):
+    sim, original, journal = _applied(tmp_path)
+    more = json.loads(sim.read_text())
+    more["cpu"]["cpus"].append(json.loads(json.dumps(more["cpu"]["cpus"][0])))  # cpu8, as the apply left cpu0
+    sim.write_text(json.dumps(more))
+    r = run_hwtune("--sim", sim, "rollback")
+    assert r.returncode == 0 and not journal.exists(), r.stderr
+    cpus = json.loads(sim.read_text())["cpu"]["cpus"]
+    assert [c["governor"] for c in cpus] == ["powersave"] * 8 + ["performance"]  # cpu8 had no original

@@ -8,6 +8,8 @@ reports; raises BadValue naming the profile key), `original(host, target, field)
 journal keeps: for locked clocks always "reset"), `write(host, target, field, value)`,
 `restore(host, target, field, original)`, `same(host, target, field, current, wanted)`,
 `show(host, target, field, value)` (a value, journaled originals included, in the profile's terms),
+`split_original(host, target, field, original)` (a per-CPU original split into the part
+this host has now and the rest, else None),
 `journal_problem(host, target, field, original)` (why a journal entry is not one this knob
 wrote on this host: the target outside the knob's own device namespace, an unknown field,
 a value of the wrong kind; None when it may be restored) and `must_reissue(field, original)`
@@ -68,6 +70,11 @@ class Knob:
     def restored(self, host, target: str, field: str, after, original) -> bool:
         """Whether the value read back after a restore shows the original in place."""
         return self.same(host, target, field, after, original)
+
+    def split_original(self, host, target: str, field: str, original):
+        """(the part of a per-device original this host has now, the rest), or None: lets a
+        rollback restore the CPUs that are here and keep the others for later."""
+        return None
 
     def known_target(self, host, target: str) -> bool:
         raise NotImplementedError

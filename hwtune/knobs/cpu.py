@@ -22,6 +22,18 @@ def _key(state: dict) -> str:
     return f"{state['cpu']}/{state['state']}"
 
 
+def _split(original, present: set, name: re.Pattern):
+    """A per-CPU original whose CPUs are partly gone (offline since the apply): (the part this
+    host has now, the rest); None when nothing or everything of it is here, or when a key is
+    not a CPU (state) name at all: a tampered entry is held whole, never half written."""
+    if not isinstance(original, dict) or not all(isinstance(k, str) and name.fullmatch(k) for k in original):
+        return None
+    here = {k: v for k, v in original.items() if k in present}
+    if not here or len(here) == len(original):
+        return None
+    return here, {k: v for k, v in original.items() if k not in present}
+
+
 class CpuGovernorKnob(Knob):
     family = "cpu_governor"
     section = "cpu"
@@ -59,9 +71,13 @@ class CpuGovernorKnob(Knob):
         host.cpu.set_governors(original)
 
     def same(self, host, target, field, current, wanted):
-        if isinstance(wanted, dict):  # a journaled original: compare per CPU
-            return host.cpu.governors() == wanted
+        if isinstance(wanted, dict):  # a journaled original: compare the CPUs it names
+            govs = host.cpu.governors()
+            return all(govs.get(cpu) == gov for cpu, gov in wanted.items())
         return current == wanted
+
+    def split_original(self, host, target, field, original):
+        return _split(original, set(host.cpu.governors()), CPU_NAME)
 
     def show(self, host, target, field, value):
         if isinstance(value, dict) and len(set(value.values())) == 1:
@@ -125,8 +141,9 @@ class CpuIdleKnob(Knob):
             self.write(host, target, field, original)
 
     def same(self, host, target, field, current, wanted):
-        if isinstance(wanted, dict):  # a journaled original: compare the exact per-state flags
-            return self.original(host, target, field) == wanted
+        if isinstance(wanted, dict):  # a journaled original: compare the flags of the states it names
+            now = self.original(host, target, field)
+            return all(key in now and now[key] == disabled for key, disabled in wanted.items())
         if wanted is None:
             return current is None
         return all(s["disabled"] == (s["latency_us"] > int(wanted)) for s in host.cpu.cstates())
@@ -140,6 +157,9 @@ class CpuIdleKnob(Knob):
         enabled = [latency[k] for k, disabled in value.items() if not disabled and k in latency]
         limit = max(enabled) if enabled else -1
         return f"{limit} ({sum(map(bool, value.values()))} of {len(value)} idle states disabled)"
+
+    def split_original(self, host, target, field, original):
+        return _split(original, {_key(s) for s in host.cpu.cstates()}, STATE_KEY)
 
     def known_target(self, host, target):
         return target == "cpu"
