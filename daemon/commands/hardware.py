@@ -212,8 +212,10 @@ def run_plan(args, ctx) -> int:
         _log(f"warning: {line}")
     for line in skipped:
         _log(f"skip {line}")
-    if pending is not None:
+    if pending is not None and not any(line.startswith("journal: ") for line in skipped):
         _log("note: an interrupted apply left a journal; apply will refuse until `hwtune rollback`")
+    elif pending is not None:
+        _log("note: apply will refuse until the journal above can be rolled back in full")
     print(f"profile {profile.name} ({profile.source}): {len(changes)} change(s)"
           + (f", {len(unmatched)} warning(s) (nothing of those is checked or written)" if unmatched else ""))
     for c in changes:
