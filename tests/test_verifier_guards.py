@@ -323,6 +323,7 @@ def test_branching_on_a_scalar_argument_cannot_be_planned():
     ("hack_backends_flag", [".backends"]), ("hack_switch_interval", ["import sys"]),
     ("hack_putenv", ["import os"]), ("hack_detached_process", ["import os"]),
     ("hack_write_outside", ["open"]), ("hack_typing_eval_type", ["._eval_type"]),
+    ("hack_match_dunder", ["match statements"]), ("hack_string_annotation", ["string annotation"]),
 ])
 def test_process_state_and_host_escapes_are_refused(name, words):
     rejected(check(name), "static", *words)

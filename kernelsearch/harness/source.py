@@ -393,6 +393,18 @@ def _too_deep(tree):
     return None
 
 
+def _annotations(node) -> list:
+    """The annotations node carries itself (a parameter's, a function's return, an annotated
+    assignment's)."""
+    if isinstance(node, ast.arg):
+        return [node.annotation] if node.annotation is not None else []
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return [node.returns] if node.returns is not None else []
+    if isinstance(node, ast.AnnAssign):
+        return [node.annotation]
+    return []
+
+
 def _union(*parts):
     if any(p is None for p in parts):
         return None
@@ -756,6 +768,13 @@ class _Checker:
     # --- host code (sandbox only) -----------------------------------------------------------
     def check_host(self, node) -> None:
         for sub in ast.walk(node):
+            for ann in _annotations(sub):
+                for const in ast.walk(ann):
+                    if isinstance(const, ast.Constant) and isinstance(const.value, str) and not \
+                            all(p.isidentifier() and not _private(p) for p in const.value.split(".")):
+                        # typing evaluates a string annotation as code (functools.singledispatch's
+                        # register calls get_type_hints), code this check never saw
+                        self.bad(const, "a string annotation must be a plain dotted name")
             if isinstance(sub, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
                 targets = sub.targets if isinstance(sub, (ast.Assign, ast.Delete)) else [sub.target]
                 for t in targets:
@@ -771,6 +790,10 @@ class _Checker:
                 self.bad(sub, f"attribute .{sub.attr} not allowed")
             elif isinstance(sub, ast.ClassDef):
                 self.bad(sub, "class definitions not allowed")
+            elif isinstance(sub, ast.Match):
+                # a class pattern reads the attributes it names as plain strings
+                # (`case object(__class__=c)`), out of reach of the checks on names and attributes
+                self.bad(sub, "match statements not allowed (use if/elif)")
             elif isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.MatMult):
                 self.bad(sub, "the @ operator (torch matmul) outside a kernel")
             elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and sub is not node:
