@@ -148,6 +148,8 @@ def test_torch_compute_in_launch_cannot_be_planned():
     "import operator\nf = operator.attrgetter('cpu')", "print('hi')", "exec('1')",
     "if __name__ == '__main__': pass", "import numpy", "from triton.runtime import interpreter",
     "from typing import _eval_type", "import functools\nf = functools._lru_cache_wrapper",
+    "f = '{0.__class__}'.format", "f = '{0.__class__}'.format_map", "from functools import wraps",
+    "import typing\nf = typing.types", "f = type",
 ])
 def test_static_allowlist_refuses_host_escapes(snippet):
     base = (CANDIDATES / "honest_rmsnorm.py").read_text()
@@ -324,6 +326,7 @@ def test_branching_on_a_scalar_argument_cannot_be_planned():
     ("hack_putenv", ["import os"]), ("hack_detached_process", ["import os"]),
     ("hack_write_outside", ["open"]), ("hack_typing_eval_type", ["._eval_type"]),
     ("hack_match_dunder", ["match statements"]), ("hack_string_annotation", ["string annotation"]),
+    ("hack_code_replace", [".gi_code", "name type"]), ("hack_update_wrapper", [".update_wrapper", "name type"]),
 ])
 def test_process_state_and_host_escapes_are_refused(name, words):
     rejected(check(name), "static", *words)

@@ -96,6 +96,7 @@ LANG_DENIED = frozenset({"inline_asm_elementwise"})
 HOST_FORBIDDEN_NAMES = {
     "open", "exec", "eval", "compile", "__import__", "getattr", "setattr", "delattr", "globals",
     "vars", "locals", "breakpoint", "input", "memoryview", "help", "exit", "quit",
+    "type",   # type(f)(code, globals) makes a function of any code; type(n, b, {...}) a class
 }
 HOST_FORBIDDEN_ATTRS = {
     "sys", "os", "_os", "_sys", "posix", "builtins", "threading", "_thread", "subprocess",
@@ -103,6 +104,11 @@ HOST_FORBIDDEN_ATTRS = {
     "_getframe", "f_globals", "f_locals", "f_back", "f_builtins", "f_code", "gi_frame",
     "cr_frame", "ag_frame", "tb_frame", "tb_next", "attrgetter", "methodcaller",
     "get_type_hints", "ForwardRef", "_evaluate", "system", "popen",
+    # what reads or writes attributes named by strings (a dunder in a string is no dunder to this
+    # check): str.format's "{0.__class__}" fields, update_wrapper/wraps's `assigned`, and code
+    # objects whose names can be replaced (code.replace(co_names=...)) and run as functions
+    "format", "format_map", "update_wrapper", "wraps", "gi_code", "cr_code", "ag_code", "types",
+    "FunctionType", "CodeType",
 }
 
 
