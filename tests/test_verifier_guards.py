@@ -259,6 +259,23 @@ def test_a_file_of_gigabytes_is_refused_without_being_read_whole(tmp_path):
     assert out.stdout.split() == ["static", "file", "larger", "than", "524288", "bytes", "16"], out.stdout
 
 
+def test_a_file_of_thousands_of_kernels_is_refused_at_once():
+    """Each kernel's check rebuilt the table of triton.language names and the set of every other
+    kernel's name, and the generated module's store analysis went round all kernels once per link
+    of a call chain: 13,000 one-line kernels (512 KiB) held the caller 25 s in the static check and
+    the executor for minutes, outside any deadline of the first."""
+    from kernelsearch.harness.source import MAX_KERNELS
+
+    kernels = "".join(f"@triton.jit\ndef k{i}(p):\n    k{i - 1}(p)\n" for i in range(1, 3000))
+    text = ("import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef k0(p):\n    tl.store(p, 1)\n"
+            + kernels + "def launch(x, weight, eps, out):\n    k0[(1,)](out)\n")
+    started = time.monotonic()
+    with pytest.raises(SourceError) as info:
+        KernelSource.parse(text)
+    assert f"more than {MAX_KERNELS}" in str(info.value)
+    assert time.monotonic() - started < 10
+
+
 def test_memo_and_call_counters_are_not_functions_of_their_arguments():
     rejected(check("hack_memoize"), "workspace_state", "not zero-initialised")
     rejected(check("hack_noise"), "plan", "planned differently")

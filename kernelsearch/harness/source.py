@@ -38,6 +38,7 @@ import ast
 import atexit
 import collections
 import errno
+import functools
 import hashlib
 import importlib.util
 import os
@@ -55,6 +56,10 @@ MAX_SOURCE_BYTES = 512 * 1024
 # expressions, and a chain such as `w + 1 + 1 + ...` nests one level a term. Past this depth the
 # file is refused as a whole, before any recursive check, whatever Python's recursion limit is.
 MAX_AST_DEPTH = 100
+# @triton.jit functions a file may define (the templates have 4 at most): each is checked against
+# every other's name, and module_text's store analysis goes round them once per link of a call
+# chain, so 13,000 one-line kernels in 512 KiB held the caller 25 s and the executor for minutes.
+MAX_KERNELS = 64
 RESERVED_PREFIX = "_hwtune"   # names the generated module adds (PDL_PARAM, the gdc aliases)
 PDL_PARAM = "_hwtune_pdl"
 EARLY_READS_ATTR = "_hwtune_early_reads"
@@ -419,10 +424,15 @@ def _union(*parts):
 
 def _storing_helpers(fns) -> frozenset:
     """The jit functions of a file that store, directly or through another one that does."""
+    calls: dict = {}   # name -> the names it calls; each body walked once
     found: set = set()
+    for fn in fns:
+        calls[fn.name] = {node.func.id for node in ast.walk(fn) if isinstance(node, ast.Call)
+                          and isinstance(node.func, ast.Name)}
+        if any(_stores(stmt, frozenset()) for stmt in fn.body):
+            found.add(fn.name)
     while True:
-        more = {fn.name for fn in fns if fn.name not in found
-                and any(_stores(stmt, frozenset(found)) for stmt in fn.body)}
+        more = {name for name, called in calls.items() if name not in found and called & found}
         if not more:
             return frozenset(found)
         found |= more
@@ -476,6 +486,7 @@ def _dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
 
 
+@functools.lru_cache(maxsize=None)
 def _lang_names() -> tuple[frozenset, dict]:
     """Public triton.language names that are not modules, and those of its allowed submodules."""
     import inspect
@@ -492,6 +503,7 @@ def _lang_names() -> tuple[frozenset, dict]:
     return top, subs
 
 
+@functools.lru_cache(maxsize=None)
 def _libdevice_names(module: str) -> frozenset:
     import importlib
     import inspect
@@ -556,6 +568,8 @@ class _Checker:
                                "function definitions)")
         if not jit_defs:
             self.problems.append("no @triton.jit kernel defined")
+        if len(jit_defs) > MAX_KERNELS:
+            raise SourceError([f"{len(jit_defs)} @triton.jit functions, more than {MAX_KERNELS}"])
         kernel_names = {f.name for f in jit_defs}
         if len(kernel_names) != len(jit_defs):
             self.problems.append("two @triton.jit functions share a name")
