@@ -129,6 +129,8 @@ def test_plan_arguments_are_checked_against_the_kernel_signature():
     ("hack_thread_compute", ["import threading"]),
     ("hack_setprofile", ["import sys"]),
     ("hack_typing_sys", [".sys"]),
+    ("hack_tl_math_wraps", ["tl.math.wraps is not an allowed"]),
+    ("hack_device_print_flood", ["tl.device_print is not an allowed"]),
 ])
 def test_compute_outside_triton_is_refused_by_the_allowlist(name, words):
     rejected(check(name), "static", *words)

@@ -94,8 +94,10 @@ VALUE_ATTRS = frozenset({
 JIT_DECORATOR_KWARGS = {"do_not_specialize", "do_not_specialize_on_alignment", "noinline"}
 LANG_SUBMODULES = {"math"}  # tl.math.exp(...) is allowed; tl.core, tl.extra, ... are not
 # triton.language names a kernel may not use: inline PTX runs instructions the harness does not
-# see (the grid-dependency control it owns, timers, traps), and the CPU interpreter cannot run it.
-LANG_DENIED = frozenset({"inline_asm_elementwise"})
+# see (the grid-dependency control it owns, timers, traps), and the CPU interpreter cannot run it;
+# prints write, per program and per call, to the executor's output (a file on the host's disk,
+# with no limit: a print in a loop filled it for as long as the case's deadline allowed).
+LANG_DENIED = frozenset({"inline_asm_elementwise", "device_print", "static_print"})
 
 # Host code (sandbox only): a deny-list behind the sandbox, not the barrier itself.
 HOST_FORBIDDEN_NAMES = {
@@ -488,18 +490,24 @@ def _dunder(name: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _lang_names() -> tuple[frozenset, dict]:
-    """Public triton.language names that are not modules, and those of its allowed submodules."""
+    """Public triton.language names that are not modules, and those of its allowed submodules;
+    none that a module of it imported from elsewhere (tl.math.wraps is functools.wraps, which
+    sets attributes named by strings; tl.math.List is typing's)."""
     import inspect
 
     import triton.language as tl
 
-    top = frozenset(n for n in dir(tl) if not n.startswith("_") and not inspect.ismodule(getattr(tl, n)))
+    def own(mod, n):
+        obj = getattr(mod, n)
+        return not n.startswith("_") and not inspect.ismodule(obj) and (
+            not callable(obj) or str(getattr(obj, "__module__", "")).startswith("triton"))
+
+    top = frozenset(n for n in dir(tl) if own(tl, n))
     subs = {}
     for sub in LANG_SUBMODULES:
         mod = getattr(tl, sub, None)
         if mod is not None:
-            subs[sub] = frozenset(n for n in dir(mod) if not n.startswith("_")
-                                  and not inspect.ismodule(getattr(mod, n)))
+            subs[sub] = frozenset(n for n in dir(mod) if own(mod, n))
     return top, subs
 
 
