@@ -15,6 +15,7 @@ JSON-ready dict of `kernelsearch.harness.evaluate` keyword arguments and a verdi
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -159,7 +160,9 @@ def template_candidate(kernel: str, source_path: Path | None = None, device: str
     s.warm()  # every CONFIGS entry's kernels start compiling in parallel (CUDA)
     space = dict(s.space or {})
     allowed = allowed_from_configs(s.configs)
-    digest = file_hash(source_path)
+    # the bytes the session read and planned (a file replaced since is not this candidate: every
+    # job names this digest and the harness rejects a file that no longer has it)
+    digest = hashlib.sha256(s.text.encode("utf-8")).hexdigest()[:16] if s.text else file_hash(source_path)
 
     def make(params: dict) -> Candidate:
         return Candidate(Path(source_path), digest, dict(params), ref)
@@ -225,7 +228,8 @@ class Loop:
             if missing:
                 jobs.append({"kernel": self.kernel, "source_path": str(cand.source_path),
                              "params": cand.params, "device": self.device, "shapes": missing,
-                             "dtype": self.dtype, "timeout_s": self.timeout_s, "time_it": True})
+                             "dtype": self.dtype, "timeout_s": self.timeout_s, "time_it": True,
+                             "source_hash": cand.source_hash})
                 owners.append((cand, missing))
         width = max(1, int(getattr(self.executor, "width", 1)))
         for i in range(0, len(jobs), width):

@@ -58,6 +58,10 @@ def test_each_point_is_one_job_over_every_shape_and_every_pair_is_a_ledger_row(t
     result = _run(tmp_path, ex)
     assert len(ex.jobs) == 6 == result.evaluations        # grid points are shared by all shapes
     assert all(job["shapes"] == SHAPES for job in ex.jobs)
+    # each job names the hash its verdict is recorded under: the harness checks that very text
+    from kernelsearch.entry import file_sha256
+    from kernelsearch.kernels import template_path
+    assert {job["source_hash"] for job in ex.jobs} == {file_sha256(template_path("rmsnorm"))}
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         assert ledger.summary()["total"] == 6 * 3
 

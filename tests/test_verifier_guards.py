@@ -278,6 +278,24 @@ def test_a_file_of_thousands_of_kernels_is_refused_at_once():
     assert time.monotonic() - started < 10
 
 
+def test_a_file_replaced_after_it_was_listed_is_not_checked_in_its_place(tmp_path):
+    """The search lists a file under its hash, then its jobs evaluate the path: a file swapped in
+    between (honest while checked, the listed one again at inference: the dispatch table held the
+    listed hash, so dispatch ran that unchecked text) was checked and recorded under the other's
+    hash. A job names the hash it records under; a file that no longer has it is rejected."""
+    from kernelsearch.entry import file_sha256
+
+    path = tmp_path / "cand.py"
+    path.write_text((CANDIDATES / "hack_partial_write.py").read_text())
+    listed = file_sha256(path)
+    path.write_text((CANDIDATES / "honest_rmsnorm.py").read_text())
+    v = evaluate("rmsnorm", path, device="cpu", shapes=SMALL, time_it=False, fresh=True, source_hash=listed)
+    rejected(v, "contract", "changed since it was listed", listed)
+    v = evaluate("rmsnorm", path, device="cpu", shapes=SMALL, time_it=False, fresh=True,
+                 source_hash=file_sha256(path))
+    assert v.accepted, v.reason
+
+
 def test_memo_and_call_counters_are_not_functions_of_their_arguments():
     rejected(check("hack_memoize"), "workspace_state", "not zero-initialised")
     rejected(check("hack_noise"), "plan", "planned differently")

@@ -18,6 +18,7 @@ cached per (kernel, shape, dtype, device) for the process.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import secrets
@@ -334,13 +335,22 @@ def session(kernel: str, source_path, device: str = "cpu", shapes: list[dict] | 
 
 def evaluate(kernel: str, source_path, params: dict | None = None, device: str = "cpu",
              shapes: list[dict] | None = None, dtype: str | None = None,
-             timeout_s: float | None = None, time_it: bool = True, fresh: bool = False) -> Verdict:
+             timeout_s: float | None = None, time_it: bool = True, fresh: bool = False,
+             source_hash: str | None = None) -> Verdict:
     """Run one candidate file through every guard (and the timed runs). Never raises for a bad
     candidate: the result is a Verdict. `params=None` uses the file's CONFIGS[0] (or {}).
     `timeout_s` bounds each request (one sandbox run, one shape's checks and timing).
-    Evaluations of one file reuse its session (plans, random shape) unless `fresh`."""
+    Evaluations of one file reuse its session (plans, random shape) unless `fresh`. With
+    `source_hash` (entry.file_sha256's digest, under which the caller records the verdict) the
+    text checked must hash to it: a file replaced since it was listed is rejected."""
     s = Session(kernel, source_path, device, shapes, dtype, timeout_s) if fresh else \
         session(kernel, source_path, device, shapes, dtype, timeout_s)
+    if source_hash is not None and s.failure is None:
+        got = hashlib.sha256(s.text.encode("utf-8")).hexdigest()[:16]
+        if got != source_hash:
+            return Verdict(accepted=False, kernel=kernel, source_path=s.source_path, device=s.device,
+                           params=dict(params or {}), guard="contract",
+                           reason=f"{s.source_path} changed since it was listed (sha256 {got}, not {source_hash})")
     return s.evaluate(params, time_it)
 
 
