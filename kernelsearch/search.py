@@ -15,7 +15,6 @@ JSON-ready dict of `kernelsearch.harness.evaluate` keyword arguments and a verdi
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from kernelsearch.entry import text_sha256
 from kernelsearch.ledger import Ledger, canonical, code_version, file_hash, git_describe
 from kernelsearch.proposers import REGISTRY, allowed_from_configs, key
 from kernelsearch.specs import get_spec
@@ -162,7 +162,7 @@ def template_candidate(kernel: str, source_path: Path | None = None, device: str
     allowed = allowed_from_configs(s.configs)
     # the bytes the session read and planned (a file replaced since is not this candidate: every
     # job names this digest and the harness rejects a file that no longer has it)
-    digest = hashlib.sha256(s.text.encode("utf-8")).hexdigest()[:16] if s.text else file_hash(source_path)
+    digest = text_sha256(s.text) if s.text else file_hash(source_path)
 
     def make(params: dict) -> Candidate:
         return Candidate(Path(source_path), digest, dict(params), ref)

@@ -18,13 +18,13 @@ cached per (kernel, shape, dtype, device) for the process.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import secrets
 import time
 from pathlib import Path
 
+from kernelsearch.entry import text_sha256
 from kernelsearch.harness import plan_client, runner
 from kernelsearch.harness.source import KernelSource, SourceError, read_source
 from kernelsearch.harness.verdict import ShapeResult, Verdict
@@ -346,7 +346,7 @@ def evaluate(kernel: str, source_path, params: dict | None = None, device: str =
     s = Session(kernel, source_path, device, shapes, dtype, timeout_s) if fresh else \
         session(kernel, source_path, device, shapes, dtype, timeout_s)
     if source_hash is not None and s.failure is None:
-        got = hashlib.sha256(s.text.encode("utf-8")).hexdigest()[:16]
+        got = text_sha256(s.text)
         if got != source_hash:
             return Verdict(accepted=False, kernel=kernel, source_path=s.source_path, device=s.device,
                            params=dict(params or {}), guard="contract",
