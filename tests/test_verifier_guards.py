@@ -56,6 +56,29 @@ def test_exception_and_memory_error_in_launch_become_verdicts():
     rejected(check("hack_oom"), "exception", "MemoryError")
 
 
+def test_an_executor_whose_parent_is_killed_removes_its_work_directory(tmp_path):
+    """SIGKILL skips the runner's cleanup; the executor, finding its requests' pipe closed,
+    removes the work directory itself (it stayed in /tmp for ever: 120 were found)."""
+    import subprocess
+    import sys
+
+    script = ("import time\nfrom kernelsearch.harness import runner\n"
+              "ex = runner.ExecutorProcess('cpu')\nex.request({'op': 'warm'}, 300)\n"
+              "print(ex.workdir, flush=True)\ntime.sleep(600)\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        workdir = Path(parent.stdout.readline().strip())
+        assert workdir.name.startswith("hwtune-executor-") and workdir.is_dir(), workdir
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 60
+    while workdir.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not workdir.exists(), sorted(p.name for p in workdir.iterdir())
+
+
 # --- forging the reply --------------------------------------------------------------------------
 def test_a_forged_verdict_printed_by_launch_changes_nothing():
     rejected(check("hack_forge_reply"), "unwritten_output", "poison")

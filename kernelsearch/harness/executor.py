@@ -736,7 +736,7 @@ def main(argv: list[str]) -> int:
         request = json.loads(line)
         op = request.get("op")
         if op == "exit":
-            break
+            return 0
         try:
             msg = handlers[op](request)
         except Reject as exc:
@@ -744,10 +744,26 @@ def main(argv: list[str]) -> int:
         except BaseException as exc:  # noqa: BLE001 -- a harness bug is still an answer
             tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:])
             msg = {"ok": False, "guard": "harness", "reason": f"{_short(exc)} | {' '.join(tb.split())[-600:]}"}
-        reply(msg)
+        try:
+            reply(msg)
+        except OSError:  # BrokenPipeError: the parent is gone
+            break
         if ex.broken:
             return 3
+    # End of requests without an "exit": the parent died (SIGKILL skips its cleanup), so its
+    # work directory (stderr, compiled kernels, Triton's cache) would stay in /tmp for ever.
+    _remove_work_dir()
     return 0
+
+
+def _remove_work_dir() -> None:
+    """Remove $HWTUNE_WORK_DIR, the runner's directory for this executor, when it is one."""
+    import shutil
+
+    path = os.environ.get("HWTUNE_WORK_DIR", "")
+    if os.path.basename(path).startswith("hwtune-executor-") and os.path.isdir(path) \
+            and not os.path.islink(path) and os.stat(path).st_uid == os.getuid():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 if __name__ == "__main__":
