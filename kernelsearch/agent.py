@@ -108,7 +108,9 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "slicing, transpose, ...), zero a workspace (.zero_()) and launch kernels "
              "(`kernel[grid](...)`), nothing else: no torch compute, no data access (.item, "
              "printing values), no torch.cuda streams or events, no attribute or imported name "
-             "that starts with an underscore (a module's internals).",
+             "that starts with an underscore (a module's internals), no `type`, `.format` "
+             "(use f-strings), `functools.wraps`, code objects or `match` statements, and "
+             "string annotations only as plain dotted names.",
              "- scalar arguments (eps, scale) are drawn per trial: pass them, or arithmetic on "
              "them (scale * 1.4427), to a kernel; don't branch on them or convert them to int.",
              "- launch() must plan the same on repeated calls with the same arguments (no memo, "
@@ -116,8 +118,9 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "- kernel bodies: triton.language (tl.* and tl.math.*), arithmetic, comparisons, "
              "if/for/while, their parameters and locals, the file's other kernels, constexpr "
              "literals, range/min/max/float/int; no other module, no dunder names, no lambda, "
-             "no tl.inline_asm_elementwise, no name starting with _hwtune (the harness's). On "
-             "sm_90+ the harness launches every kernel with programmatic dependent launch and "
+             "no tl.inline_asm_elementwise or tl.device_print, no name starting with _hwtune "
+             "(the harness's); at most 64 @triton.jit functions a file. On sm_90+ the harness "
+             "launches every kernel with programmatic dependent launch and "
              "makes a wait for the previous kernel its first instruction: write none yourself "
              "(where the spec names static inputs, e.g. weights, a kernel whose first statements "
              "only compute offsets and load those may have them run before the wait: load the "
