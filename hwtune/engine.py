@@ -517,7 +517,14 @@ def _fail(host, journal: Journal, done: list, added: list, why: str, log, sig, s
 
 # --- rollback ----------------------------------------------------------------------------
 class RollbackIncomplete(HwtuneError):
+    """Rollback restored what it could; the rest stays in the journal. `restored` (Changes),
+    `not_restored` ({target, field, why} dicts; an unreadable entry has only `why`) and `journal`
+    (its path) let `rollback --json` say which is which."""
     exit_code = 1
+
+    def __init__(self, text: str, restored=(), not_restored=(), journal: str | None = None):
+        super().__init__(text)
+        self.restored, self.not_restored, self.journal = list(restored), list(not_restored), journal
 
 
 def _check_entries(host, loaded) -> tuple:
@@ -626,7 +633,10 @@ def rollback(host, state_dir, log: Callable[[str], None] = _stderr, wait_s: floa
                         + f"; they stay in {journal.path}")
                 if sig.stop is not None:
                     raise signals.Interrupted(sig.stop, f"{signals.name(sig.stop)} during rollback (finished first): {text}")
-                raise RollbackIncomplete(text)
+                raise RollbackIncomplete(
+                    text, restored,
+                    [{"target": e["target"], "field": e["field"], "why": why} for e, why in failed]
+                    + [{"why": line} for line in unreadable], str(journal.path))
             journal.remove()
             if sig.stop is not None:
                 raise signals.Interrupted(sig.stop, f"{signals.name(sig.stop)} during rollback: finished first, "

@@ -409,7 +409,11 @@ def test_a_journal_entry_for_a_device_that_is_gone_blocks_apply_and_is_restored_
     now = status_json(sim)
     assert now["gpus"] == original["gpus"][:1] and now["cpu"] == original["cpu"]
     assert [e["target"] for e in json.loads(journal.read_text())["entries"]].count("gpu1") == 3  # originals kept
-    assert run_hwtune("--sim", sim, "rollback", "--json").returncode == 1
+    r = run_hwtune("--sim", sim, "rollback", "--json")
+    doc = json.loads(r.stdout)  # one document: what was restored, what stays and why
+    assert r.returncode == 1 and doc["ok"] is False and doc["exit_code"] == 1 and doc["restored"] == []
+    assert len(doc["not_restored"]) == 5 and doc["journal"] == str(journal)
+    assert all("gpu1" in x["why"] or "0000:2a:00.0" in x["why"] for x in doc["not_restored"])
     assert run_hwtune("--sim", sim, "apply", "-p", "efficiency").returncode == 3
     back = json.loads(sim.read_text())
     back["gpus"].append(applied["gpus"][1])

@@ -310,9 +310,16 @@ def run_rollback(args, ctx) -> int:
 
     ctx.check_state_dir()
     host = ctx.open_host()
-    restored = engine.rollback(host, ctx.state_dir, _log)
+    try:
+        restored = engine.rollback(host, ctx.state_dir, _log)
+    except engine.RollbackIncomplete as exc:
+        if args.json:  # what was restored and what stays, not only the error's one line
+            _after_writes(json.dumps({"ok": False, "restored": [c.to_json() for c in exc.restored],
+                                      "not_restored": exc.not_restored, "journal": exc.journal,
+                                      "error": str(exc), "exit_code": exc.exit_code}, indent=2) + "\n")
+        raise
     if args.json:
-        _after_writes(json.dumps({"restored": [c.to_json() for c in restored]}, indent=2) + "\n")
+        _after_writes(json.dumps({"ok": True, "restored": [c.to_json() for c in restored]}, indent=2) + "\n")
     elif restored:
         _after_writes(f"rolled back {len(restored)} value(s)\n")
     return 0
