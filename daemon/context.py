@@ -119,6 +119,19 @@ class Context:
                             "choose another with --state-dir DIR, before the command", mode=0o700)
         return self.state_dir
 
+    def require_root(self, command: str) -> None:
+        """Writing the real host (NVML setters, /sys) needs root: a user without it is told
+        so before anything runs (exit 2), instead of every knob skipped as NoPermission and an
+        'applied' that changed nothing. The simulated host, a fixture --sysfs-root and
+        --read-only write nothing of the real host's."""
+        from hwtune.errors import UsageError
+
+        if self.sim_path or self.read_only or str(self.sysfs_root) not in ("", "/") or os.geteuid() == 0:
+            return
+        raise UsageError("writing the real host's settings needs root: run it with sudo "
+                         "(or try it without root on a simulated host: hwtune sim init host.json, "
+                         f"then hwtune --sim host.json {command})")
+
     def check_state_dir(self) -> None:
         """For commands that only read state: a state directory that is, or lies under, a
         regular file is bad input (exit 2); one that does not exist yet simply holds nothing."""

@@ -234,6 +234,7 @@ def add_apply_arguments(p) -> None:
 def run_apply(args, ctx) -> int:
     from hwtune import engine
 
+    ctx.require_root("apply")
     profile, host = _load(args, ctx)
     unmatched = engine.unmatched(host, profile)
     if not host.read_only:
@@ -308,6 +309,7 @@ def add_rollback_arguments(p) -> None:
 def run_rollback(args, ctx) -> int:
     from hwtune import engine
 
+    ctx.require_root("rollback")
     ctx.check_state_dir()
     host = ctx.open_host()
     try:
