@@ -206,6 +206,19 @@ def test_version_prints_the_installed_version_and_exits_0():
     assert proc.stdout == f"hwtune {_version()}\n"
 
 
+def test_python_m_hwtune_is_the_hwtune_command(tmp_path):
+    # Before: "No module named hwtune.__main__; 'hwtune' is a package and cannot be directly executed".
+    from daemon.cli import _version
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "hwtune", "--version"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == f"hwtune {_version()}\n", proc.stderr
+    bad = subprocess.run([sys.executable, "-m", "hwtune", "stauts"], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("hwtune: argument COMMAND: invalid choice: 'stauts'"), bad.stderr
+
+
 def test_status_into_a_closed_pipe_exits_quietly(tmp_path):
     sim = make_sim(tmp_path, gpus=8)
     for extra in ((), ("--json",)):
