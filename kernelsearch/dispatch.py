@@ -112,6 +112,8 @@ class DispatchTable:
         path = Path(path)
         try:
             data = json.loads(_read_trusted(path).decode("utf-8"))
+        except TableError:
+            raise
         except (ValueError, RecursionError) as exc:   # UnicodeDecodeError and JSON's errors are ValueErrors
             raise TableError(f"{path}: not a dispatch table ({type(exc).__name__}: {str(exc)[:200]})") from None
         if not isinstance(data, dict) or not isinstance(data.get("entries", []), list):
@@ -267,10 +269,12 @@ def _read_trusted(path: Path) -> bytes:
     """A table's bytes, refused (TableError) when another user owns it or group or others may
     write it: its plans are what runs on the GPU (hwtune runs as root, so what another user can
     write must not steer it)."""
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise TableError(f"{path}: not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):   # before fdopen: on a directory it says "Is a directory: 3"
+        os.close(fd)
+        raise TableError(f"{path}: not a regular file" + (" (a directory)" if stat.S_ISDIR(st.st_mode) else ""))
+    with os.fdopen(fd, "rb") as f:
         if st.st_uid not in (0, os.geteuid()):
             raise TableError(f"{path}: owned by uid {st.st_uid}, not by this user or root; refusing to "
                              "trust it (inspect it, then remove it)")

@@ -269,3 +269,14 @@ def test_a_bmc_answering_401_with_an_odd_body_is_one_line(tmp_path, body, ctype)
     finally:
         server.shutdown()
         server.server_close()
+
+
+# -- the Python API a transformers user calls ----------------------------------------------
+
+def test_a_dispatch_table_path_that_is_a_directory_is_a_table_error_naming_it(tmp_path):
+    # Before: IsADirectoryError "[Errno 21] Is a directory: 3" (the descriptor, not the path).
+    from kernelsearch.dispatch import DispatchTable, TableError
+
+    with pytest.raises(TableError, match=f"^{tmp_path}: not a regular file \\(a directory\\)$"):
+        DispatchTable.load(tmp_path)
+
