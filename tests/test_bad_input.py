@@ -280,3 +280,13 @@ def test_a_dispatch_table_path_that_is_a_directory_is_a_table_error_naming_it(tm
     with pytest.raises(TableError, match=f"^{tmp_path}: not a regular file \\(a directory\\)$"):
         DispatchTable.load(tmp_path)
 
+
+@pytest.mark.parametrize("model", [None, "meta-llama/Llama-3.1-8B", 5])
+def test_patch_given_something_other_than_a_model_is_a_type_error(model):
+    # Before: patch(None) returned a report blaming a missing dispatch table, patch("name") one
+    # saying "model class str ... stays stock".
+    from kernelsearch.dispatch import DispatchTable
+    from kernelsearch.integrations.transformers import patch
+
+    with pytest.raises(TypeError, match=f"^model: expected a transformers model .*got {type(model).__name__}$"):
+        patch(model, table=DispatchTable.empty())

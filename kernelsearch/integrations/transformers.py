@@ -763,6 +763,9 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
     linear_residual, rmsnorm_gate_up_swiglu) for it; False: exactly issue 12's patch (the
     separate norm / projection / SwiGLU ops). Returns what was patched and one line per part left
     stock."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a transformers model (a torch.nn.Module such as LlamaForCausalLM), "
+                        f"got {type(model).__name__}")
     if getattr(model, "_hwtune_patch", None) is not None:
         raise ValueError("model is already patched by hwtune: unpatch(model) first")
     if table is not None and not isinstance(table, dispatch.DispatchTable):
