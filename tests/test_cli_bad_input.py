@@ -236,23 +236,29 @@ def test_status_into_a_closed_pipe_exits_quietly(tmp_path):
 
 
 @pytest.mark.parametrize("command", [("apply",), ("rollback",), ("tune", "--no-kernels"), ("daemon", "--once")])
-def test_a_user_without_root_is_told_that_writing_the_real_host_needs_root(command, monkeypatch, capsys):
+def test_a_user_without_root_is_told_that_writing_the_real_host_needs_root(command, tmp_path, monkeypatch, capsys):
     # Before: apply skipped every knob as NoPermission and said "applied", exit 0. In process,
-    # as a user other than root (root's interpreter here is not one `nobody` may run).
+    # as a user other than root (root's interpreter here is not one `nobody` may run); the
+    # real host is never opened, whatever the check does.
     import daemon.context
     from daemon.cli import main
 
+    def no_real_host(self, bios=None):
+        raise AssertionError("the real host was opened")
+
     monkeypatch.setattr(daemon.context.os, "geteuid", lambda: 65534)
-    monkeypatch.setenv("HOME", "/nonexistent")
+    monkeypatch.setattr(daemon.context.Context, "open_host", no_real_host)
     monkeypatch.delenv("HWTUNE_READ_ONLY", raising=False)
     monkeypatch.delenv("HWTUNE_SIM", raising=False)
     monkeypatch.delenv("HWTUNE_SYSFS_ROOT", raising=False)
     monkeypatch.setattr(daemon.context, "DEFAULT_CONFIG", ROOT / "no-such-config.yaml")
-    assert main(list(command)) == 2
+    assert main(["--state-dir", str(tmp_path / "state"), *command]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"hwtune {command[0]}: writing the real host's settings needs root: run it with sudo"), err
     assert "\n" not in err and f"hwtune --sim host.json {command[0]}" in err
+    assert not (tmp_path / "state").exists()
     # --read-only writes nothing: it is not refused for want of root
     if command[0] == "apply":
-        main(["--read-only", *command])
+        with pytest.raises(AssertionError, match="the real host was opened"):
+            main(["--read-only", "--state-dir", str(tmp_path / "state"), *command])
         assert "needs root" not in capsys.readouterr().err
