@@ -119,14 +119,23 @@ class Context:
                             "choose another with --state-dir DIR, before the command", mode=0o700)
         return self.state_dir
 
-    def require_root(self, command: str) -> None:
-        """Writing the real host (NVML setters, /sys) needs root: a user without it is told
-        so before anything runs (exit 2), instead of every knob skipped as NoPermission and an
-        'applied' that changed nothing. The simulated host, a fixture --sysfs-root and
-        --read-only write nothing of the real host's."""
+    def check_can_write(self, command: str) -> None:
+        """Before a command that writes the host runs, that this user can: a simulated host
+        whose file (or its lock, or the directory its atomic rename writes into) this user
+        cannot write, and the real host without root (NVML setters, /sys), are one line, exit
+        2, nothing written. Found later, a point's write failed half-way into the journal
+        (the sim) or every knob was skipped as NoPermission and apply said 'applied' (real).
+        --read-only and a fixture --sysfs-root write nothing of the real host's."""
         from hwtune.errors import UsageError
 
-        if self.sim_path or self.read_only or str(self.sysfs_root) not in ("", "/") or os.geteuid() == 0:
+        if self.read_only:
+            return
+        if self.sim_path:
+            from hwtune.backends.sim import SimFile
+
+            SimFile(Path(self.sim_path)).check_writable()
+            return
+        if str(self.sysfs_root) not in ("", "/") or os.geteuid() == 0:
             return
         raise UsageError("writing the real host's settings needs root: run it with sudo "
                          "(or try it without root on a simulated host: hwtune sim init host.json, "

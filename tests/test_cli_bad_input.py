@@ -262,3 +262,27 @@ def test_a_user_without_root_is_told_that_writing_the_real_host_needs_root(comma
         with pytest.raises(AssertionError, match="the real host was opened"):
             main(["--read-only", "--state-dir", str(tmp_path / "state"), *command])
         assert "needs root" not in capsys.readouterr().err
+
+
+def test_a_simulated_host_this_user_cannot_write_is_refused_before_any_write(tmp_path):
+    # Before: apply journaled its first change, failed on the lock (Permission denied) and
+    # restored; tune left that journal behind (exit 3 at every later point); sim set was a
+    # PermissionError traceback. Root passes permission bits, so the directory is immutable.
+    d = tmp_path / "theirs"
+    d.mkdir()
+    sim = make_sim(d)
+    run_hwtune("--sim", sim, "status", check=True)   # the lock file exists, as after any use
+    before = sim.read_bytes()
+    if subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i does not work here")
+    try:
+        state = tmp_path / "state"
+        for command in (("apply",), ("rollback",), ("tune", "--no-kernels"), ("daemon", "--once"),
+                        ("sim", "set", sim, "write_delay_ms=3")):
+            args = command if command[0] == "sim" else ("--sim", sim, "--state-dir", state, *command)
+            line = one_line(run_hwtune(*args), f"hwtune {command[0]}: simulated host {sim}: {d} is not writable")
+            assert "hwtune sim init FILE" in line
+        assert sim.read_bytes() == before and not (state / "journal.json").exists()
+        assert run_hwtune("--read-only", "--sim", sim, "--state-dir", state, "apply").returncode == 4
+    finally:
+        subprocess.run(["chattr", "-i", str(d)])

@@ -234,7 +234,7 @@ def add_apply_arguments(p) -> None:
 def run_apply(args, ctx) -> int:
     from hwtune import engine
 
-    ctx.require_root("apply")
+    ctx.check_can_write("apply")
     profile, host = _load(args, ctx)
     unmatched = engine.unmatched(host, profile)
     if not host.read_only:
@@ -309,7 +309,7 @@ def add_rollback_arguments(p) -> None:
 def run_rollback(args, ctx) -> int:
     from hwtune import engine
 
-    ctx.require_root("rollback")
+    ctx.check_can_write("rollback")
     ctx.check_state_dir()
     host = ctx.open_host()
     try:

@@ -16,6 +16,6 @@ def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
 def run_daemon(args, ctx) -> int:
     from daemon.service import Service
 
-    ctx.require_root("daemon")
+    ctx.check_can_write("daemon")
     ctx.ensure_state_dir()
     return Service(ctx, config_path=args.daemon_config or ctx.config_path, once=args.once).run()

@@ -92,6 +92,7 @@ def run_sim(args, ctx) -> int:
         def change(data):
             for key, value, raw in pairs:
                 set_dotted(data, key, value, raw)
+        sim.check_writable()
         sim.update(change)
         if args.json:
             json.dump({k: v for k, v, _ in pairs}, sys.stdout)

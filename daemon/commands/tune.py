@@ -64,7 +64,7 @@ def run_tune(args, ctx) -> int:
 
     kernels = () if args.no_kernels else tuple(k.strip() for k in args.kernels.split(",") if k.strip())
     _check_inputs(args, kernels)
-    ctx.require_root("tune")
+    ctx.check_can_write("tune")
     opts = TuneOptions(objective=args.objective, floor=args.floor, budget=args.budget,
                        exhaustive=args.exhaustive, workload=args.workload, kernels=kernels,
                        kernel_budget=args.kernel_budget, keep=args.keep, gpus=args.gpus, nightly=args.nightly)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import json
 import math
+import os
 import re
 import time
 import uuid
@@ -294,6 +295,16 @@ class SimFile:
         self.guard_write = guard_write or (lambda op: None)
         if not self.path.exists():
             raise UsageError(f"simulated host {self.path}: no such file (create it: hwtune sim init {self.path})")
+
+    def check_writable(self) -> None:
+        """UsageError unless this user can write the host: the file, its sidecar lock, and the
+        directory the atomic rename writes into (found at the first write, a command had
+        already journaled its first change)."""
+        lock = Path(str(self.path) + ".lock")
+        for path in (self.path.parent, self.path, lock):
+            if path.exists() and not os.access(path, os.W_OK):
+                raise UsageError(f"simulated host {self.path}: {path} is not writable by this user; "
+                                 "use a host file of your own (hwtune sim init FILE)")
 
     def read_raw(self):
         try:
