@@ -34,6 +34,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Modules of the optional extras (pyproject.toml) -> the extra that brings them: a command that
+# needs one on an install without it says which to install instead of an import traceback.
+EXTRAS = {"torch": "kernels", "triton": "kernels", "numpy": "kernels", "optuna": "kernels",
+          "matplotlib": "kernels", "transformers": "hf", "ray": "ray"}
+
+
 def _tell(line: str) -> None:
     """The last word on stderr; a terminal that is gone must not change the exit code."""
     try:
@@ -210,6 +216,14 @@ def main(argv: list[str] | None = None) -> int:
             rc = exc.exit_code
             _tell(f"hwtune {args.command}: {exc}")
             _json_error(out, str(exc), rc)
+        except ModuleNotFoundError as exc:
+            extra = EXTRAS.get((exc.name or "").split(".")[0])
+            if extra is None:
+                raise
+            rc = 2
+            message = f"needs {exc.name}, which is not installed: pip install 'hwtune[{extra}]'"
+            _tell(f"hwtune {args.command}: {message}")
+            _json_error(out, message, rc)
         except KeyboardInterrupt:
             rc = 130
             _tell(f"hwtune {args.command}: interrupted")

@@ -286,3 +286,17 @@ def test_a_simulated_host_this_user_cannot_write_is_refused_before_any_write(tmp
         assert run_hwtune("--read-only", "--sim", sim, "--state-dir", state, "apply").returncode == 4
     finally:
         subprocess.run(["chattr", "-i", str(d)])
+
+
+def test_a_kernel_command_without_the_kernels_extra_says_what_to_install(tmp_path):
+    # Before: a ModuleNotFoundError traceback (an install of hwtune without '[kernels]').
+    shadow = tmp_path / "site" / "torch"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path / "site")])}
+    for command in (("search", "rmsnorm", "--device", "cpu", "--json"), ("check-kernel", "rmsnorm", tmp_path / "k.py"),
+                    ("bench", "--device", "cpu"), ("share", "export")):
+        proc = run_hwtune("--state-dir", tmp_path / "state", *command, env=env)
+        one_line(proc, f"hwtune {command[0]}: needs torch, which is not installed: pip install 'hwtune[kernels]'")
+        if command[0] == "search":
+            assert json.loads(proc.stdout)["exit_code"] == 2
