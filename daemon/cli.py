@@ -142,6 +142,18 @@ def _quiet_broken_pipe() -> None:
             pass
 
 
+def _lenient_output() -> None:
+    """A terminal that is not UTF-8 (PYTHONIOENCODING=ascii, a latin-1 locale) gets a name it
+    cannot show (a profile or host file called é.yaml) as a backslash escape, not a
+    UnicodeEncodeError traceback in place of the result. --json output is ASCII already."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict":
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (AttributeError, ValueError, OSError):
+                pass
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -177,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _lenient_output()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

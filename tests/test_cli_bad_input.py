@@ -300,3 +300,20 @@ def test_a_kernel_command_without_the_kernels_extra_says_what_to_install(tmp_pat
         one_line(proc, f"hwtune {command[0]}: needs torch, which is not installed: pip install 'hwtune[kernels]'")
         if command[0] == "search":
             assert json.loads(proc.stdout)["exit_code"] == 2
+
+
+def test_names_a_non_utf8_terminal_cannot_show_are_escaped_not_a_traceback(tmp_path):
+    # Before: UnicodeEncodeError traceback from status and plan on PYTHONIOENCODING=ascii.
+    d = tmp_path / "sp ü"
+    d.mkdir()
+    sim = d / "hé.json"
+    run_hwtune("sim", "init", sim, check=True)
+    prof = d / "é.yaml"
+    prof.write_text("gpu:\n  power_limit_w: 500\n")
+    env = {"PYTHONIOENCODING": "ascii"}
+    status = run_hwtune("--sim", sim, "status", env=env)
+    assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+    assert status.stdout.startswith("host: simulated (") and "h\\xe9.json" in status.stdout.splitlines()[0]
+    plan = run_hwtune("--sim", sim, "plan", "-p", prof, env=env)
+    assert plan.returncode == 0 and "Traceback" not in plan.stderr, plan.stderr
+    assert plan.stdout.startswith("profile \\xe9 (")
