@@ -8,9 +8,11 @@ hardware commands never import torch.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import os
+import re
 import sys
 
 from daemon.context import Context
@@ -101,6 +103,12 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
+        bad = re.search(r"invalid choice: '?([^' ]+)'? \(choose from (.*)\)", message)
+        if bad:   # a typo (hwtune stauts, --device gpu): name the choice meant
+            choices = [c.strip(" '\"") for c in bad.group(2).split(",")]
+            near = difflib.get_close_matches(bad.group(1), choices, n=1, cutoff=0.7)  # not gpu -> cpu
+            if near:
+                message += f"; did you mean {near[0]}?"
         _Parser.last_error = f"{self.prog}: {message}"
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
@@ -206,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
             early = [a for a in extra if a.split("=", 1)[0] in own]
             if early:
                 hint = f"{early[0]} is an option of {args.command}: it goes after the command"
+            else:   # a typo (--budgt): name the option meant
+                for a in extra:
+                    near = difflib.get_close_matches(a.split("=", 1)[0], sorted(own), n=1, cutoff=0.7) \
+                        if a.startswith("--") else []
+                    if near:
+                        hint = f"unrecognized arguments: {' '.join(extra)} (did you mean {near[0]}?)"
+                        break
         where = f"hwtune {args.command}" if args.command else "hwtune"
         message = f"{where}: {hint or 'unrecognized arguments: ' + ' '.join(extra)}"
         if "--json" in argv:

@@ -317,3 +317,18 @@ def test_names_a_non_utf8_terminal_cannot_show_are_escaped_not_a_traceback(tmp_p
     plan = run_hwtune("--sim", sim, "plan", "-p", prof, env=env)
     assert plan.returncode == 0 and "Traceback" not in plan.stderr, plan.stderr
     assert plan.stdout.startswith("profile \\xe9 (")
+
+
+@pytest.mark.parametrize("argv,line", [
+    (("stauts",), "hwtune: argument COMMAND: invalid choice: 'stauts' (choose from "),
+    (("tune", "--budgt", "3"), "hwtune tune: unrecognized arguments: --budgt 3 (did you mean --budget?)"),
+    (("search", "rmsnorm", "--strategy", "grdi"), "hwtune search: argument --strategy: invalid choice: 'grdi'"),
+    (("status", "--jsn"), "hwtune status: unrecognized arguments: --jsn (did you mean --json?)"),
+])
+def test_a_typo_in_a_command_option_or_choice_names_the_one_meant(tmp_path, argv, line):
+    # Before: the choices listed, or just 'unrecognized arguments', with no suggestion.
+    sim = make_sim(tmp_path)
+    got = one_line(run_hwtune("--sim", sim, *argv), line)
+    meant = {"stauts": "status", "tune": "--budget", "search": "grid", "status": "--json"}[argv[0]]
+    assert f"did you mean {meant}?" in got
+    assert "did you mean" not in run_hwtune("search", "rmsnorm", "--device", "gpu").stderr  # not 'cpu'
