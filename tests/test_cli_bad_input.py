@@ -332,3 +332,15 @@ def test_a_typo_in_a_command_option_or_choice_names_the_one_meant(tmp_path, argv
     meant = {"stauts": "status", "tune": "--budget", "search": "grid", "status": "--json"}[argv[0]]
     assert f"did you mean {meant}?" in got
     assert "did you mean" not in run_hwtune("search", "rmsnorm", "--device", "gpu").stderr  # not 'cpu'
+
+
+@pytest.mark.parametrize("command,why", [("", "--command is empty"), ('"unterminated', "No closing quotation"),
+                                         ("/nonexistent-prog --x", "/nonexistent-prog: no such program"),
+                                         ("{tmp}", "{tmp}: no such program, or not an executable file")])
+def test_bench_command_that_cannot_run_is_one_line_exit_2_before_measuring(tmp_path, command, why):
+    # Before: '' ran the built-in model instead; an open quote and a directory were tracebacks
+    # (ValueError, PermissionError); a missing program was a result with metric None, exit 1.
+    command, why = command.replace("{tmp}", str(tmp_path)), why.replace("{tmp}", str(tmp_path))
+    proc = run_hwtune("--state-dir", tmp_path / "state", "bench", "--device", "cpu", "--command", command, "--json")
+    assert why in one_line(proc, "hwtune bench: --command")
+    assert json.loads(proc.stdout)["exit_code"] == 2

@@ -178,6 +178,19 @@ def run_bench(args, ctx) -> int:
             re.compile(args.metric_regex)
         except re.error as exc:
             raise UsageError(f"--metric-regex {args.metric_regex!r}: not a regular expression ({exc})") from None
+    if args.workload_command is not None:   # checked now: not a traceback, nor the built-in model for ''
+        import shlex
+        import shutil
+
+        try:
+            argv = shlex.split(args.workload_command)
+        except ValueError as exc:
+            raise UsageError(f"--command {args.workload_command!r}: {exc} (it is split as a shell would)") from None
+        if not argv:
+            raise UsageError("--command is empty: name the program to run")
+        if shutil.which(argv[0]) is None:
+            raise UsageError(f"--command: {argv[0]}: no such program, or not an executable file "
+                             "(it runs without a shell)")
     baseline = _load_json(args.baseline, "--baseline") if args.baseline else None
     out_dir = args.out
     if out_dir is None and baseline is not None:
