@@ -76,12 +76,12 @@ class Context:
                             "else /var/lib/hwtune as root, ~/.local/state/hwtune otherwise)")
         g.add_argument("--sim", type=Path, default=None, metavar="HOST.json",
                        help="use the simulated host kept in this file instead of the real one "
-                            "(create it with `hwtune sim init HOST.json`)")
+                            "(create it with `hwtune sim init HOST.json`; also HWTUNE_SIM=HOST.json)")
         g.add_argument("--sysfs-root", type=Path, default=Path(os.environ.get("HWTUNE_SYSFS_ROOT", "/")),
-                       help="root under which /sys is read (for fixture trees)")
+                       help="root under which /sys is read (for fixture trees; also HWTUNE_SYSFS_ROOT)")
         g.add_argument("--profile-dir", type=Path,
                        default=Path(os.environ.get("HWTUNE_PROFILE_DIR", DEFAULT_PROFILE_DIR)),
-                       help="user profiles (default /etc/hwtune/profiles)")
+                       help="user profiles (also HWTUNE_PROFILE_DIR)")
         g.add_argument("--read-only", action="store_true",
                        help="refuse every write before it happens (also HWTUNE_READ_ONLY=1)")
 

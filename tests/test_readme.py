@@ -52,3 +52,14 @@ def test_an_interrupted_command_exits_130_with_one_line_and_no_traceback(tmp_pat
 
     after = run_hwtune("--sim", sim, "status", "--json", check=True).stdout
     assert _same_settings(json.loads(before), json.loads(after)) is True
+
+
+def test_every_environment_variable_that_stands_for_a_global_option_is_in_help_and_readme():
+    # Before: HWTUNE_SIM, HWTUNE_PROFILE_DIR and HWTUNE_SYSFS_ROOT changed what hwtune works on
+    # without a word in --help or the README (and --help named a fixed profile directory).
+    text = run_hwtune("--help", check=True).stdout
+    help_text = " ".join(text.split())
+    for var in ("HWTUNE_SIM", "HWTUNE_PROFILE_DIR", "HWTUNE_SYSFS_ROOT", "HWTUNE_READ_ONLY"):
+        assert var in help_text and var in README, var
+    shown = " ".join(run_hwtune("--help", env={"HWTUNE_PROFILE_DIR": "/srv/profiles"}, check=True).stdout.split())
+    assert "(default /srv/profiles)" in shown and "/etc/hwtune/profiles" not in shown
