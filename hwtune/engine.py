@@ -15,6 +15,7 @@ namespace before it writes anything.
 """
 from __future__ import annotations
 
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -631,6 +632,10 @@ def rollback(host, state_dir, log: Callable[[str], None] = _stderr, wait_s: floa
                                  f"unreadable, not restored: " + _summary(unreadable))
                 text = (f"rollback: {len(restored)} value(s) restored; " + "; ".join(parts)
                         + f"; they stay in {journal.path}")
+                if unreadable:   # no rollback can read them: say how to get out
+                    text += (f" (to go on: put those settings back by hand, `hwtune status` shows them, "
+                             f"then move the file aside, e.g. mv {shlex.quote(str(journal.path))} "
+                             f"{shlex.quote(str(journal.path) + '.damaged')}; apply is refused while it is there)")
                 if sig.stop is not None:
                     raise signals.Interrupted(sig.stop, f"{signals.name(sig.stop)} during rollback (finished first): {text}")
                 raise RollbackIncomplete(

@@ -290,3 +290,23 @@ def test_patch_given_something_other_than_a_model_is_a_type_error(model):
 
     with pytest.raises(TypeError, match=f"^model: expected a transformers model .*got {type(model).__name__}$"):
         patch(model, table=DispatchTable.empty())
+
+
+def test_a_journal_no_rollback_can_read_says_how_to_go_on(tmp_path):
+    # Before: rollback said the entries 'stay in journal.json' and apply stayed refused (exit 3),
+    # with nothing naming the way out.
+    import shlex
+
+    sim = make_sim(tmp_path)
+    run_hwtune("--sim", sim, "apply", "-p", "throughput", check=True)
+    journal = tmp_path / "host.json.state" / "journal.json"
+    journal.write_text("garbage\n")
+    proc = run_hwtune("--sim", sim, "rollback")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "put those settings back by hand" in line and "`hwtune status`" in line
+    mv = shlex.split(line.split("e.g. ", 1)[1].split(";", 1)[0])
+    assert mv[:2] == ["mv", str(journal)]
+    assert run_hwtune("--sim", sim, "apply", "-p", "throughput").returncode == 3
+    os.rename(mv[1], mv[2])
+    run_hwtune("--sim", sim, "apply", "-p", "throughput", check=True)
