@@ -190,3 +190,20 @@ def test_apply_json_names_a_bmc_it_could_not_read_instead_of_an_empty_bios_drift
     assert doc["bios_drift"] == [] and len(doc["not_checked"]) == 1
     assert doc["not_checked"][0].startswith("bios: not checked (redfish http://127.0.0.1:9: BMC unreachable")
     run_hwtune(*common, "rollback", check=True)
+
+
+def test_share_export_takes_json_like_every_command_that_prints_for_scripts(tmp_path):
+    # Before: `share export --json` was refused (unrecognized arguments), and with -o FILE
+    # nothing on stdout said what was written.
+    state = tmp_path / "state"
+    run_hwtune("--state-dir", state, "search", "rmsnorm", "--device", "cpu", "--budget", "1",
+               "--shape", "M=1,N=128", check=True, timeout=300)   # something to export
+    out = tmp_path / "bundle.json"
+    proc = run_hwtune("--state-dir", state, "share", "export", "--device", "cpu", "--json", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["file"] == str(out) and doc["rows"] == len(json.loads(out.read_text())["attempts"])
+    plain = run_hwtune("--state-dir", state, "share", "export", "--device", "cpu", "--json")
+    assert plain.returncode == 0 and "attempts" in json.loads(plain.stdout)
+    bad = run_hwtune("--state-dir", state, "share", "export", "--device", "cpu", "--json", "-o", tmp_path / "no" / "b")
+    assert bad.returncode == 2 and json.loads(bad.stdout)["exit_code"] == 2

@@ -18,6 +18,9 @@ def add_share_arguments(p) -> None:
     exp.add_argument("--kernel", default=None, help="only this kernel's rows and winners")
     exp.add_argument("--fingerprint", default=None, metavar="ID",
                      help="export this fingerprint id instead of this host's")
+    exp.add_argument("--json", action="store_true",
+                     help="one JSON document on stdout: the bundle (the default), or with -o FILE "
+                          "{file, fingerprint_id, rows, entries}; an error is one too")
     imp = sub.add_parser("import", help="store a bundle's rows and winners here (same fingerprint only)")
     imp.add_argument("bundle", help="bundle file ('-': stdin)")
     imp.add_argument("--force", action="store_true",
@@ -74,6 +77,9 @@ def run_share(args, ctx) -> int:
         for note in bundle["notes"]:
             print(f"note: {note}", file=sys.stderr)
         entries = len((bundle["dispatch"] or {}).get("entries", []))
+        if args.json and args.output != "-":
+            print(json.dumps({"file": args.output, "fingerprint_id": fp_id, "rows": len(bundle["attempts"]),
+                              "entries": entries}))
         print(f"exported {len(bundle['attempts'])} ledger rows and {entries} dispatch entries for {fp_id}"
               f"{' -> ' + args.output if args.output != '-' else ''}", file=sys.stderr)
         return 0
