@@ -147,7 +147,12 @@ class Context:
         from hwtune.errors import UsageError
 
         for q in (self.state_dir, *self.state_dir.parents):
-            if q.exists():
+            try:
+                found = q.exists()
+            except OSError as exc:   # under a directory this user may not enter (--state-dir /root/x)
+                raise UsageError(f"state directory {self.state_dir} cannot be read: {exc.strerror or exc}; "
+                                 "choose another with --state-dir DIR, before the command") from None
+            if found:
                 if not q.is_dir():
                     why = ("exists and is not a directory" if q == self.state_dir
                            else f"Not a directory ({q} is a file)")

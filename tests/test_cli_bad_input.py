@@ -344,3 +344,26 @@ def test_bench_command_that_cannot_run_is_one_line_exit_2_before_measuring(tmp_p
     proc = run_hwtune("--state-dir", tmp_path / "state", "bench", "--device", "cpu", "--command", command, "--json")
     assert why in one_line(proc, "hwtune bench: --command")
     assert json.loads(proc.stdout)["exit_code"] == 2
+
+
+def test_a_state_dir_under_a_directory_this_user_cannot_enter_is_one_line(tmp_path, monkeypatch, capsys):
+    # Before: a PermissionError traceback from Path.exists (--state-dir /root/x as a user).
+    # In process: root enters any directory, so the refusal is what the stat answers.
+    import daemon.context
+    from daemon.cli import main
+
+    sim = make_sim(tmp_path)
+    real_exists = daemon.context.Path.exists
+
+    def exists(self):
+        if str(self).startswith("/root/hwtune-x"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_exists(self)
+
+    monkeypatch.setattr(daemon.context.Path, "exists", exists)
+    for command in (("status",), ("plan",), ("verify",), ("rollback",)):
+        assert main(["--sim", str(sim), "--state-dir", "/root/hwtune-x/state", *command, "--json"]) == 2
+        got = capsys.readouterr()
+        assert got.err.strip() == (f"hwtune {command[0]}: state directory /root/hwtune-x/state cannot be read: "
+                                   "Permission denied; choose another with --state-dir DIR, before the command")
+        assert json.loads(got.out)["exit_code"] == 2
