@@ -367,3 +367,14 @@ def test_a_state_dir_under_a_directory_this_user_cannot_enter_is_one_line(tmp_pa
         assert got.err.strip() == (f"hwtune {command[0]}: state directory /root/hwtune-x/state cannot be read: "
                                    "Permission denied; choose another with --state-dir DIR, before the command")
         assert json.loads(got.out)["exit_code"] == 2
+
+
+def test_a_candidate_or_template_that_is_a_fifo_or_a_device_is_not_called_missing(tmp_path):
+    # Before: 'fifo.py: no such file' for a file that is there.
+    fifo = tmp_path / "fifo.py"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/null"):
+        one_line(run_hwtune("check-kernel", "rmsnorm", path), f"hwtune check-kernel: {path}: not a regular file")
+        one_line(run_hwtune("--state-dir", tmp_path / "s", "search", "rmsnorm", "--source", path),
+                 f"hwtune search: --source {path}: not a regular file")
+    one_line(run_hwtune("check-kernel", "rmsnorm", tmp_path / "nope.py"), f"hwtune check-kernel: {tmp_path}/nope.py: no such file")

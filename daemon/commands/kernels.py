@@ -66,6 +66,7 @@ def run_check_kernel(args, ctx) -> int:
         raise UsageError(f"unknown kernel {args.kernel!r}: expected one of {', '.join(SPECS)}")
     if not args.file.is_file():
         raise UsageError(f"{args.file}: " + ("a directory, not a candidate file" if args.file.is_dir()
+                                             else "not a regular file" if args.file.exists()   # a FIFO, /dev/null
                                              else "no such file"))
     if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
         # 0 would silently mean the default, a negative number a rejected candidate

@@ -151,7 +151,8 @@ def run_search(args, ctx) -> int:
         raise UsageError(f"--timeout-s {args.timeout_s:g}: a positive number of seconds")
     if args.source is not None and not args.source.is_file():
         raise UsageError(f"--source {args.source}: "
-                         + ("a directory, not a template file" if args.source.is_dir() else "no such file"))
+                         + ("a directory, not a template file" if args.source.is_dir()
+                            else "not a regular file" if args.source.exists() else "no such file"))
     device = resolve_device(args.device)
     from daemon.context import ensure_writable_dir
 
