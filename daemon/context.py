@@ -57,6 +57,14 @@ def ensure_writable_dir(path: Path, what: str, advice: str, mode: int | None = N
         raise UsageError(f"{what} {path} cannot be created or written: {reason}; {advice}") from None
 
 
+def path_arg(text: str) -> Path:
+    """A path option's value; '' is refused: Path('') is the current directory, so an unset
+    shell variable (--state-dir "$STATE") put the journal wherever the command ran."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
+    return Path(text)
+
+
 @dataclass
 class Context:
     config_path: Path | None
@@ -69,17 +77,17 @@ class Context:
     @staticmethod
     def add_global_arguments(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("global options")
-        g.add_argument("--config", type=Path, default=None,
+        g.add_argument("--config", type=path_arg, default=None,
                        help=f"service config file (default {DEFAULT_CONFIG} when present)")
-        g.add_argument("--state-dir", type=Path, default=None,
+        g.add_argument("--state-dir", type=path_arg, default=None,
                        help="journal, lock and results (default: HOST.json.state beside a --sim file; "
                             "else /var/lib/hwtune as root, ~/.local/state/hwtune otherwise)")
-        g.add_argument("--sim", type=Path, default=None, metavar="HOST.json",
+        g.add_argument("--sim", type=path_arg, default=None, metavar="HOST.json",
                        help="use the simulated host kept in this file instead of the real one "
                             "(create it with `hwtune sim init HOST.json`; also HWTUNE_SIM=HOST.json)")
-        g.add_argument("--sysfs-root", type=Path, default=Path(os.environ.get("HWTUNE_SYSFS_ROOT", "/")),
+        g.add_argument("--sysfs-root", type=path_arg, default=Path(os.environ.get("HWTUNE_SYSFS_ROOT", "/")),
                        help="root under which /sys is read (for fixture trees; also HWTUNE_SYSFS_ROOT)")
-        g.add_argument("--profile-dir", type=Path,
+        g.add_argument("--profile-dir", type=path_arg,
                        default=Path(os.environ.get("HWTUNE_PROFILE_DIR", DEFAULT_PROFILE_DIR)),
                        help="user profiles (also HWTUNE_PROFILE_DIR)")
         g.add_argument("--read-only", action="store_true",

@@ -378,3 +378,17 @@ def test_a_candidate_or_template_that_is_a_fifo_or_a_device_is_not_called_missin
         one_line(run_hwtune("--state-dir", tmp_path / "s", "search", "rmsnorm", "--source", path),
                  f"hwtune search: --source {path}: not a regular file")
     one_line(run_hwtune("check-kernel", "rmsnorm", tmp_path / "nope.py"), f"hwtune check-kernel: {tmp_path}/nope.py: no such file")
+
+
+@pytest.mark.parametrize("argv", [("--state-dir", "", "status"), ("--sim", "", "status"), ("--config", "", "plan"),
+                                  ("--profile-dir", "", "plan"), ("--sysfs-root", "", "status"),
+                                  ("bench", "--out", ""), ("demo", "--out", ""), ("daemon", "--config", "")])
+def test_an_empty_path_option_is_refused_not_taken_as_the_current_directory(tmp_path, argv):
+    # Before: --state-dir '' (an unset "$STATE") put journal.json and the lock in the current
+    # directory; demo --out '' and bench --out '' wrote the host file, state and report there.
+    option = next(a for a in argv if a.startswith("--"))
+    proc = subprocess.run([sys.executable, "-m", "daemon.cli", *argv], cwd=tmp_path, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    prog = "hwtune" if argv[0].startswith("--") else f"hwtune {argv[0]}"
+    one_line(proc, f"{prog}: argument {option}: an empty path (an unset shell variable?)")
+    assert list(tmp_path.iterdir()) == []

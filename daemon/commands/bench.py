@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from daemon.bench.autotable import DEFAULT_EVALS
+from daemon.context import path_arg
 from daemon.device import DEVICE_HELP, resolve_device
 from hwtune.errors import UsageError
 
@@ -77,7 +78,7 @@ def add_bench_arguments(p) -> None:
                    help="results JSON of an earlier run (e.g. a cloud VM) to compare with")
     o.add_argument("--from-results", type=Path, default=None, metavar="FILE",
                    help="do not measure: report on this results JSON")
-    o.add_argument("--out", type=Path, default=None, metavar="DIR",
+    o.add_argument("--out", type=path_arg, default=None, metavar="DIR",
                    help="write results.json, report.md, report.png here")
     o.add_argument("--json", action="store_true", help="print the results document on stdout")
 

@@ -20,9 +20,10 @@ from pathlib import Path
 
 
 def add_demo_arguments(p) -> None:
+    from daemon.context import path_arg
     from hwtune.backends.sim import DEFAULT_GPUS
 
-    p.add_argument("--out", type=Path, default=Path("hwtune-demo"),
+    p.add_argument("--out", type=path_arg, default=Path("hwtune-demo"),
                    help="work directory for the simulated host, state and report (default ./hwtune-demo)")
     p.add_argument("--simulated", action="store_true",
                    help="use a simulated host even when a GPU is present")

@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from daemon.context import path_arg
+
 
 def add_daemon_arguments(p: argparse.ArgumentParser) -> None:
     # Its own dest: a subparser default would otherwise overwrite the global --config.
-    p.add_argument("--config", dest="daemon_config", type=Path, default=None, metavar="FILE",
+    p.add_argument("--config", dest="daemon_config", type=path_arg, default=None, metavar="FILE",
                    help="service config (root-owned, not group/world-writable); same as the global --config")
     p.add_argument("--once", action="store_true",
                    help="recover, apply the profile, check once and exit (settings stay)")
