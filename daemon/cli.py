@@ -89,7 +89,8 @@ class _Help(argparse.HelpFormatter):
         text = action.help or ""
         default = action.default
         if (action.option_strings and action.nargs != 0 and "default" not in text
-                and default not in (None, False, argparse.SUPPRESS)):
+                and default is not None and default is not False and default is not argparse.SUPPRESS):
+            # `is`, not `in (None, False, ...)`: 0 == False, and a seed's default 0 went unsaid
             text += f" (default {default})"
         return text
 

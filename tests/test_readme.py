@@ -63,3 +63,15 @@ def test_every_environment_variable_that_stands_for_a_global_option_is_in_help_a
         assert var in help_text and var in README, var
     shown = " ".join(run_hwtune("--help", env={"HWTUNE_PROFILE_DIR": "/srv/profiles"}, check=True).stdout.split())
     assert "(default /srv/profiles)" in shown and "/etc/hwtune/profiles" not in shown
+
+
+def test_help_states_the_defaults_of_seed_shapes_prefill_and_out():
+    # Before: a default of 0 went unsaid (0 == False to the formatter's check), and bench's
+    # --shapes, --prefill and --out said nothing of what they are when not given.
+    search = " ".join(run_hwtune("search", "--help", check=True).stdout.split())
+    bench = " ".join(run_hwtune("bench", "--help", check=True).stdout.split())
+    assert "seed of random, optuna and evolution (default 0)" in search
+    assert "seed of the model weights and tokens (default 0)" in bench
+    assert "(default 1x2048,8x2048,32x2048,1x8192 on CUDA, 1x32,2x32 on CPU)" in bench
+    assert "(default 1x2048 on CUDA, 1x32 on CPU)" in bench
+    assert "(default: with --baseline STATE_DIR/bench/<date-time>, else no files" in bench

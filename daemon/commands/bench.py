@@ -28,8 +28,9 @@ def add_bench_arguments(p) -> None:
     m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="default bf16 on CUDA, fp32 on CPU")
     m.add_argument("--shapes", default=None, metavar="BxCTX,...",
-                   help="decode batch x context, e.g. 1x2048,8x2048,32x2048,1x8192")
-    m.add_argument("--prefill", default=None, metavar="BxT,...", help="prefill batch x tokens")
+                   help="decode batch x context (default 1x2048,8x2048,32x2048,1x8192 on CUDA, 1x32,2x32 on CPU)")
+    m.add_argument("--prefill", default=None, metavar="BxT,...",
+                   help="prefill batch x tokens (default 1x2048 on CUDA, 1x32 on CPU)")
     m.add_argument("--variants", default=None,
                    help="comma list of eager, graphed, compile, tuned, tuned-unfused (built-in, all by default; "
                         "tuned-nopdl, the tuned step without programmatic dependent launch, by name only) and "
@@ -79,7 +80,8 @@ def add_bench_arguments(p) -> None:
     o.add_argument("--from-results", type=Path, default=None, metavar="FILE",
                    help="do not measure: report on this results JSON")
     o.add_argument("--out", type=path_arg, default=None, metavar="DIR",
-                   help="write results.json, report.md, report.png here")
+                   help="write results.json, report.md, report.png here (default: with --baseline "
+                        "STATE_DIR/bench/<date-time>, else no files: the results are printed)")
     o.add_argument("--json", action="store_true", help="print the results document on stdout")
 
 
