@@ -310,3 +310,20 @@ def test_a_journal_no_rollback_can_read_says_how_to_go_on(tmp_path):
     assert run_hwtune("--sim", sim, "apply", "-p", "throughput").returncode == 3
     os.rename(mv[1], mv[2])
     run_hwtune("--sim", sim, "apply", "-p", "throughput", check=True)
+
+
+def test_sim_init_makes_only_hosts_every_command_can_read(tmp_path):
+    # Before: --gpus 9 gave the ninth GPU bus 0x109, not a PCI address, so every command refused
+    # the file sim init had just written; --gpus 100000 wrote 242 MB that no command would read
+    # (larger than 64 MiB); demo --gpus 100 ran each step into that refusal.
+    for gpus in (9, 64):
+        sim = tmp_path / f"h{gpus}.json"
+        run_hwtune("sim", "init", sim, "--gpus", gpus, check=True)
+        status = json.loads(run_hwtune("--sim", sim, "status", "--json", check=True).stdout)
+        assert len(status["gpus"]) == gpus and len({f["bdf"] for f in status["pcie"]}) == gpus + 1
+    for args, why in ((("--gpus", "65"), "--gpus 65: at most 64 (a simulated host is one node)"),
+                      (("--cpus", "5000"), "--cpus 5000: 1 to 4096")):
+        assert _one_line_error(run_hwtune("sim", "init", tmp_path / "big.json", *args), 2) == f"hwtune sim: {why}"
+        assert not (tmp_path / "big.json").exists()
+    demo = run_hwtune("demo", "--gpus", "100", "--out", tmp_path / "demo")
+    assert _one_line_error(demo, 2) == "hwtune demo: --gpus 100: 1 to 64" and not (tmp_path / "demo").exists()

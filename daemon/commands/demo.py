@@ -157,7 +157,11 @@ def _restore_after_interrupt(r: "_Runner") -> int:
 
 def run_demo(args, ctx) -> int:
     from daemon.context import ensure_writable_dir
+    from hwtune.backends.sim import MAX_GPUS
+    from hwtune.errors import UsageError
 
+    if not 1 <= args.gpus <= MAX_GPUS:   # before a step runs: sim init would refuse it, then each step after
+        raise UsageError(f"--gpus {args.gpus}: 1 to {MAX_GPUS}")
     out = args.out.resolve()
     ensure_writable_dir(out, "--out", "choose another with --out DIR")
     logs = out / "logs"

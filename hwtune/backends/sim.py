@@ -38,6 +38,9 @@ H200_POWER_LIMIT_CONSTRAINTS_W = [200, 700]
 H200_POWER_LIMIT_DEFAULT_W = 700
 # PCIe buses of the GPUs on a typical 8-GPU HGX board.
 GPU_BUSES = [0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB]
+# GPUs past the eighth: buses no other function uses (a bus number is one byte: 0x100 + i was
+# not a PCI address, and the file `sim init --gpus 9` wrote was refused by every command).
+SPARE_BUSES = [b for b in range(0x40, 0x100) if b not in GPU_BUSES]
 # DevCtl as firmware commonly leaves it: MRRS 512 (bits 14:12 = 2), no-snoop on (bit 11),
 # extended tags on (bit 8), MPS 256 (bits 7:5 = 1), relaxed ordering off (bit 4).
 DEFAULT_DEVCTL = (2 << 12) | (1 << 11) | (1 << 8) | (1 << 5)
@@ -46,6 +49,9 @@ CSTATES = [("POLL", 0), ("C1", 2), ("C1E", 10), ("C6", 133)]
 
 DEFAULT_GPUS = 2  # `hwtune sim init` and `hwtune demo` agree on it
 DEFAULT_CPUS = 8
+# One node: more than any host has, and a file every command can still read (MAX_SIM_BYTES).
+MAX_GPUS = 64
+MAX_CPUS = 4096
 # Keys whose value may be null besides their type: a lock that is not set, a reading not reported.
 NULLABLE = {"locked_sm_clocks_mhz", "locked_memory_clocks_mhz", "temperature_c", "power_w", "sm_clock_mhz",
             "memory_clock_mhz", "clock_event_reasons", "energy_mj", "xid_errors"}
@@ -55,10 +61,14 @@ def new_host(gpus: int = DEFAULT_GPUS, cpus: int = DEFAULT_CPUS) -> dict:
     """An H200-like node: GPUs with their PCIe functions, one Mellanox NIC, CPUs, BIOS."""
     if gpus < 1:
         raise UsageError(f"--gpus {gpus}: need at least 1")
+    if gpus > MAX_GPUS:
+        raise UsageError(f"--gpus {gpus}: at most {MAX_GPUS} (a simulated host is one node)")
+    if not 1 <= cpus <= MAX_CPUS:
+        raise UsageError(f"--cpus {cpus}: 1 to {MAX_CPUS}")
     host: dict = {"version": 1, "write_delay_ms": 0, "faults": [], "locked_clocks_getter": True,
                   "gpus": [], "pcie": []}
     for i in range(gpus):
-        bus = GPU_BUSES[i] if i < len(GPU_BUSES) else 0x100 + i
+        bus = GPU_BUSES[i] if i < len(GPU_BUSES) else SPARE_BUSES[i - len(GPU_BUSES)]
         bdf = f"0000:{bus:02x}:00.0"
         host["gpus"].append({
             "index": i,
