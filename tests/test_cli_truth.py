@@ -178,7 +178,6 @@ def test_json_is_one_document_on_every_error_path_with_the_exit_code(tmp_path):
     assert doc("plan", "-p") == 2
 
 
-
 def test_apply_json_names_a_bmc_it_could_not_read_instead_of_an_empty_bios_drift(tmp_path):
     root = build(tmp_path / "root")
     prof = write_profile(tmp_path, "bmc-down", "cpu:\n  governor: performance\nbios:\n  endpoint: http://127.0.0.1:9\n"
