@@ -85,10 +85,10 @@ class Context:
         g.add_argument("--sim", type=path_arg, default=None, metavar="HOST.json",
                        help="use the simulated host kept in this file instead of the real one "
                             "(create it with `hwtune sim init HOST.json`; also HWTUNE_SIM=HOST.json)")
-        g.add_argument("--sysfs-root", type=path_arg, default=Path(os.environ.get("HWTUNE_SYSFS_ROOT", "/")),
+        g.add_argument("--sysfs-root", type=path_arg, default=Path(os.environ.get("HWTUNE_SYSFS_ROOT") or "/"),
                        help="root under which /sys is read (for fixture trees; also HWTUNE_SYSFS_ROOT)")
         g.add_argument("--profile-dir", type=path_arg,
-                       default=Path(os.environ.get("HWTUNE_PROFILE_DIR", DEFAULT_PROFILE_DIR)),
+                       default=Path(os.environ.get("HWTUNE_PROFILE_DIR") or DEFAULT_PROFILE_DIR),
                        help="user profiles (also HWTUNE_PROFILE_DIR)")
         g.add_argument("--read-only", action="store_true",
                        help="refuse every write before it happens (also HWTUNE_READ_ONLY=1)")

@@ -392,3 +392,33 @@ def test_an_empty_path_option_is_refused_not_taken_as_the_current_directory(tmp_
     prog = "hwtune" if argv[0].startswith("--") else f"hwtune {argv[0]}"
     one_line(proc, f"{prog}: argument {option}: an empty path (an unset shell variable?)")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tune_with_its_kernel_step_and_no_torch_is_refused_before_the_hardware_loop(tmp_path):
+    # Before: every hardware point was applied and measured, then the kernel step failed (exit 1).
+    shadow = tmp_path / "site" / "torch"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path / "site")])}
+    sim = make_sim(tmp_path)
+    before = sim.read_bytes()
+    line = one_line(run_hwtune("--sim", sim, "tune", "--budget", "2", env=env),
+                    "hwtune tune: the kernel step needs torch, which is not installed")
+    assert "--no-kernels" in line and sim.read_bytes() == before
+
+
+def test_a_zero_agent_timeout_is_refused():
+    for value in ("0", "-5", "nan"):
+        one_line(run_hwtune("search", "rmsnorm", "--device", "cpu", "--agent-timeout-s", value),
+                 f"hwtune search: --agent-timeout-s {value}: a positive number of seconds")
+
+
+def test_an_empty_environment_variable_is_unset_not_the_current_directory(monkeypatch):
+    # Before: HWTUNE_SYSFS_ROOT='' (an unset shell variable exported) read ./sys as the host's /sys.
+    from daemon.cli import build_parser
+    from daemon.context import DEFAULT_PROFILE_DIR, Context
+
+    monkeypatch.setenv("HWTUNE_SYSFS_ROOT", "")
+    monkeypatch.setenv("HWTUNE_PROFILE_DIR", "")
+    ctx = Context.from_args(build_parser().parse_args(["status"]))
+    assert str(ctx.sysfs_root) == "/" and str(ctx.profile_dir) == str(DEFAULT_PROFILE_DIR)

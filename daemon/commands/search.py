@@ -149,6 +149,8 @@ def run_search(args, ctx) -> int:
         raise UsageError(f"--time-limit-s {args.time_limit_s:g}: a positive number of seconds")
     if args.timeout_s is not None and not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
         raise UsageError(f"--timeout-s {args.timeout_s:g}: a positive number of seconds")
+    if not (math.isfinite(args.agent_timeout_s) and args.agent_timeout_s > 0):
+        raise UsageError(f"--agent-timeout-s {args.agent_timeout_s:g}: a positive number of seconds")
     if args.source is not None and not args.source.is_file():
         raise UsageError(f"--source {args.source}: "
                          + ("a directory, not a template file" if args.source.is_dir()

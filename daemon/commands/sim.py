@@ -38,7 +38,8 @@ def add_sim_arguments(p) -> None:
                     help="e.g. gpus.1.telemetry.temperature_c=95, write_delay_ms=20, "
                          "faults='[{\"op\": \"set_power_limit\", \"gpu\": 1, \"error\": \"NoPermission\"}]'")
     st.add_argument("--json", action="store_true", help="print the assignments as JSON on stdout")
-    show = sub.add_parser("show", help="print the simulated host")
+    show = sub.add_parser("show", help="print the simulated host",
+                          description="Print the simulated host file (its settings, faults and telemetry) as JSON.")
     show.add_argument("file", type=Path, help="the simulated host file")
     show.add_argument("--json", action="store_true", help="accepted for symmetry: the output is always JSON")
 

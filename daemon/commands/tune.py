@@ -57,6 +57,13 @@ def _check_inputs(args, kernels: tuple) -> None:
                              + f" (known: {', '.join(TEMPLATES)})")
     if not re.fullmatch(r"[1-9][0-9]*|small|medium|large|all", args.kernel_budget):
         raise UsageError(f"--kernel-budget {args.kernel_budget!r}: a positive number or small|medium|large|all")
+    if kernels:   # not after the hardware loop: its points would be measured, then the tune fail
+        try:
+            import torch  # noqa: F401
+            import triton  # noqa: F401
+        except ModuleNotFoundError as exc:
+            raise UsageError(f"the kernel step needs {exc.name}, which is not installed: pip install "
+                             "'hwtune[kernels]', or tune the hardware alone with --no-kernels") from None
 
 
 def run_tune(args, ctx) -> int:
