@@ -355,6 +355,25 @@ def test_training_mode_runs_the_original_modules():
     assert table.counts
 
 
+
+@pytest.mark.parametrize("stock_through_ops", [False, True], ids=["routed", "every-shape"])
+def test_backward_through_an_eval_mode_model_gives_the_unpatched_gradients(stock_through_ops):
+    """Autograd recording (grad mode on, parameters that require grad) runs the original modules:
+    the fused q|k|v and gate|up weights are detached and the ops have no backward, so the patched
+    path gave q/k/v/gate/up no gradient (routed) or raised inside hwtune::linear (every shape)."""
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(11))
+    want, model = tiny_model("Llama"), tiny_model("Llama")
+    want(ids, labels=ids).loss.backward()
+    table = counting_table()
+    patch(model, table, stock_through_ops=stock_through_ops)
+    model(ids, labels=ids).loss.backward()
+    for (name, w), (_, g) in zip(want.named_parameters(), model.named_parameters()):
+        assert g.grad is not None and rel_err(w.grad, g.grad) < 1e-5, name
+    assert table.counts == {}
+    with torch.no_grad():   # inference still goes through the ops
+        model(ids)
+    assert table.counts or not stock_through_ops
+
 CHILD = textwrap.dedent('''
     import json, sys
     import torch

@@ -59,7 +59,10 @@ torch.compile: patch() registers the ops with inductor as explicit fallbacks fir
 (ops.register_inductor_fallbacks: torch 2.11 spent minutes writing out their arguments' IR for
 its implicit-fallback log line at the first compile).
 
-Inference only: hwtune's ops have no backward; a module in training mode runs the original.
+Inference only: hwtune's ops have no backward; a module in training mode, or called where
+autograd records (grad enabled and the input or a parameter requires grad: `loss.backward()` on
+an eval-mode model), runs the original, so gradients reach every parameter. Run inference under
+torch.no_grad() / torch.inference_mode() (generate does) to use the kernels.
 Hooks: a swapped module takes over the forward hooks of the module it replaces, and gives back at
 unpatch the ones registered on it meanwhile (transformers 5 installs its output-recording hooks
 once per model). A fused decoder layer is an instance of the model's own decoder-layer class (a
@@ -150,6 +153,14 @@ def _uses(tuned, key) -> bool:
     return tuned is None or key in tuned
 
 
+def _runs_original(module: nn.Module, x) -> bool:
+    """The original module runs this call: training mode, or autograd records it (grad mode on and
+    the input or a parameter requires grad). hwtune's ops have no backward and the fused q|k|v
+    and gate|up weights are detached, so the patched path would give no gradients (or fail)."""
+    return module.training or (torch.is_grad_enabled() and
+                               (x.requires_grad or any(p.requires_grad for p in module.parameters())))
+
+
 def _rows(x) -> int:
     n = 1
     for d in x.shape[:-1]:
@@ -191,7 +202,7 @@ class HwtuneRMSNorm(nn.Module):
         self._hwtune_original = [original]   # a list: not registered as a submodule
 
     def forward(self, hidden_states):
-        if self.training or hidden_states.dtype != self.weight.dtype or \
+        if _runs_original(self, hidden_states) or hidden_states.dtype != self.weight.dtype or \
                 not _uses(self._tuned, _rows(hidden_states)):
             return self._hwtune_original[0](hidden_states)
         return torch.ops.hwtune.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.table)
@@ -226,7 +237,7 @@ class HwtuneLinear(nn.Module):
         self._hwtune_original = [original]
 
     def forward(self, x):
-        if self.training:
+        if _runs_original(self, x):
             return self._hwtune_original[0](x)
         return self._proj(x, self.weight, self.bias)
 
@@ -251,7 +262,7 @@ class HwtuneMLP(nn.Module):
         self._hwtune_original = [original]
 
     def forward(self, x):
-        if self.training:
+        if _runs_original(self, x):
             return self._hwtune_original[0](x)
         return self._down(self.activate(x), self.down_proj.weight, self.down_proj.bias)
 
@@ -306,7 +317,8 @@ class HwtuneAttention(nn.Module):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cache=None, **kwargs):
         cache = cache if cache is not None else past_key_values
-        if self.training or position_embeddings is None or hidden_states.dtype != self.qkv_weight.dtype:
+        if _runs_original(self, hidden_states) or position_embeddings is None or \
+                hidden_states.dtype != self.qkv_weight.dtype:
             return self._hwtune_original[0](hidden_states, position_embeddings, attention_mask,
                                             **{self._cache_kwarg: cache}, **kwargs)
         cache_position = kwargs.pop("cache_position", None)   # transformers 4.x passes it
@@ -600,7 +612,8 @@ class HwtuneDecoderLayer(nn.Module):
                 use_cache=False, cache_position=None, position_embeddings=None, cache=None, **kwargs):
         cache = cache if cache is not None else past_key_values
         attn, mlp = self.self_attn, self.mlp
-        if self.training or position_embeddings is None or hidden_states.dtype != attn.qkv_weight.dtype:
+        if _runs_original(self, hidden_states) or position_embeddings is None or \
+                hidden_states.dtype != attn.qkv_weight.dtype:
             extra = {} if cache_position is None else {"cache_position": cache_position}
             return self._hwtune_original[0](hidden_states, attention_mask=attention_mask,
                                             position_ids=position_ids, use_cache=use_cache,
