@@ -475,3 +475,18 @@ def test_output_hidden_states_records_every_fused_layer_and_survives_unpatch(bef
     unpatch(model)
     again = _hidden_states(model, ids)
     assert len(again) == len(want) and all(rel_err(w, g) < TOL[torch.float32] for w, g in zip(want, again))
+
+
+def test_a_layer_running_the_original_records_each_hidden_state_once():
+    """Recording hooks installed before patch stay on the original layer as well: a fused layer
+    that runs the original (training mode) called it through its hooks, so every hidden state was
+    recorded twice (5 for a 2-layer model instead of 3)."""
+    model = tiny_model("Llama")
+    ids = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(4))
+    _hidden_states(model, ids)   # installs transformers' hooks on the unpatched layers
+    patch(model, dispatch.DispatchTable.empty(), stock_through_ops=True)
+    model.train()
+    want = _hidden_states(tiny_model("Llama").train(), ids)
+    got = _hidden_states(model, ids)
+    assert len(got) == len(want) == model.config.num_hidden_layers + 1
+    assert all(rel_err(w, g) < TOL[torch.float32] for w, g in zip(want, got))

@@ -65,7 +65,8 @@ an eval-mode model), runs the original, so gradients reach every parameter. Run 
 torch.no_grad() / torch.inference_mode() (generate does) to use the kernels.
 Hooks: a swapped module takes over the forward hooks of the module it replaces, and gives back at
 unpatch the ones registered on it meanwhile (transformers 5 installs its output-recording hooks
-once per model). A fused decoder layer is an instance of the model's own decoder-layer class (a
+once per model); where it runs the original, it calls the original's forward, so those hooks run
+once, on the swapped module. A fused decoder layer is an instance of the model's own decoder-layer class (a
 subclass made at patch time), so output_hidden_states records every layer as unpatched. Not
 recorded: output_attentions (a patched attention computes no attention weights).
 """
@@ -204,7 +205,7 @@ class HwtuneRMSNorm(nn.Module):
     def forward(self, hidden_states):
         if _runs_original(self, hidden_states) or hidden_states.dtype != self.weight.dtype or \
                 not _uses(self._tuned, _rows(hidden_states)):
-            return self._hwtune_original[0](hidden_states)
+            return self._hwtune_original[0].forward(hidden_states)
         return torch.ops.hwtune.rms_norm(hidden_states, self.weight, self.variance_epsilon, self.table)
 
     def extra_repr(self):
@@ -238,7 +239,7 @@ class HwtuneLinear(nn.Module):
 
     def forward(self, x):
         if _runs_original(self, x):
-            return self._hwtune_original[0](x)
+            return self._hwtune_original[0].forward(x)
         return self._proj(x, self.weight, self.bias)
 
 
@@ -263,7 +264,7 @@ class HwtuneMLP(nn.Module):
 
     def forward(self, x):
         if _runs_original(self, x):
-            return self._hwtune_original[0](x)
+            return self._hwtune_original[0].forward(x)
         return self._down(self.activate(x), self.down_proj.weight, self.down_proj.bias)
 
     def activate(self, x):
@@ -319,7 +320,7 @@ class HwtuneAttention(nn.Module):
         cache = cache if cache is not None else past_key_values
         if _runs_original(self, hidden_states) or position_embeddings is None or \
                 hidden_states.dtype != self.qkv_weight.dtype:
-            return self._hwtune_original[0](hidden_states, position_embeddings, attention_mask,
+            return self._hwtune_original[0].forward(hidden_states, position_embeddings, attention_mask,
                                             **{self._cache_kwarg: cache}, **kwargs)
         cache_position = kwargs.pop("cache_position", None)   # transformers 4.x passes it
         out = self.attend(self.project(hidden_states), position_embeddings, attention_mask, cache,
@@ -615,7 +616,7 @@ class HwtuneDecoderLayer(nn.Module):
         if _runs_original(self, hidden_states) or position_embeddings is None or \
                 hidden_states.dtype != attn.qkv_weight.dtype:
             extra = {} if cache_position is None else {"cache_position": cache_position}
-            return self._hwtune_original[0](hidden_states, attention_mask=attention_mask,
+            return self._hwtune_original[0].forward(hidden_states, attention_mask=attention_mask,
                                             position_ids=position_ids, use_cache=use_cache,
                                             position_embeddings=position_embeddings,
                                             **{self._cache_kwarg: cache}, **extra, **kwargs)
