@@ -374,6 +374,29 @@ def test_backward_through_an_eval_mode_model_gives_the_unpatched_gradients(stock
         model(ids)
     assert table.counts or not stock_through_ops
 
+
+@pytest.mark.parametrize("move", ["to-float16", "deepcopy"])
+def test_weights_loaded_after_a_dtype_move_or_a_deepcopy_reach_the_patched_model(move):
+    """model.to(dtype) and copy.deepcopy gave the q/k/v and gate/up parameters storage apart from
+    the fused weights: load_state_dict then changed the parameters, and the patched model kept
+    computing with the old fused weights (tokens and logits of the old model)."""
+    import copy
+
+    dtype = torch.float16 if move == "to-float16" else torch.float32
+    ids = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(12))
+    other = tiny_model("Qwen2", seed=5).to(dtype)   # q|k|v biases too
+    want = prefill_and_decode(other, ids)
+    model = tiny_model("Qwen2")
+    patch(model, counting_table(), stock_through_ops=True)
+    model = model.to(dtype) if move == "to-float16" else copy.deepcopy(model)
+    model.load_state_dict(other.state_dict())
+    got = prefill_and_decode(model, ids)
+    assert max(rel_err(w, g) for w, g in zip(want, got)) < 3e-3
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+    unpatch(model)
+    assert max(rel_err(w, g) for w, g in zip(want, prefill_and_decode(model, ids))) < 3e-3
+
 CHILD = textwrap.dedent('''
     import json, sys
     import torch

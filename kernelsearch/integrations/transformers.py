@@ -43,7 +43,8 @@ torch.compile fuses as it would unpatched, instead of an opaque op running stock
 `stock_through_ops=True` sends every call through the ops (stock inside where untuned).
 
 The fused weights are the only copy: the original q/k/v (gate/up) parameters become views into
-them, so memory does not grow; `unpatch` gives each parameter its own storage back. The
+them, so memory does not grow (and stay views after `model.to(...)` or copy.deepcopy, which
+fuse again); `unpatch` gives each parameter its own storage back. The
 parameters, their names and state_dict keys never change. Save a model after `unpatch`
 (safetensors refuses tensors that share storage).
 
@@ -243,6 +244,31 @@ class HwtuneLinear(nn.Module):
         return self._proj(x, self.weight, self.bias)
 
 
+def _refuse(module) -> None:
+    """Make the module's fused weight (and bias) the storage of its projections' parameters again
+    where they no longer are: `.to()` / `.half()` / `.cuda()` and copy.deepcopy give each parameter
+    and the fused buffer storage of its own, and a later in-place update of a parameter
+    (load_state_dict, an optimizer step) would not reach the weight the kernels read."""
+    linears, weight_name, bias_name = module._fused()
+    weight = getattr(module, weight_name)
+    if all(lin.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr() for lin in linears):
+        return
+    weight, bias = _fuse(linears, module._hwtune_shared)
+    setattr(module, weight_name, weight)
+    setattr(module, bias_name, bias)
+
+
+def _refuse_after_apply(self, fn, *args, **kwargs):
+    nn.Module._apply(self, fn, *args, **kwargs)
+    _refuse(self)
+    return self
+
+
+def _refuse_after_setstate(self, state):
+    nn.Module.__setstate__(self, state)
+    _refuse(self)
+
+
 class HwtuneMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) as hwtune::linear on gate|up, hwtune::swiglu, hwtune::linear."""
 
@@ -253,6 +279,7 @@ class HwtuneMLP(nn.Module):
         for name in ("config", "hidden_size", "intermediate_size"):
             if hasattr(original, name):
                 setattr(self, name, getattr(original, name))
+        self._hwtune_shared = shared
         weight, bias = _fuse([self.gate_proj, self.up_proj], shared)
         self.register_buffer("gate_up_weight", weight, persistent=False)
         self.register_buffer("gate_up_bias", bias, persistent=False)
@@ -261,6 +288,12 @@ class HwtuneMLP(nn.Module):
         self._down = _Projection(self.down_proj.weight, routes)
         self._swiglu = routes.tuned("swiglu", weight.dtype, {"I": self.gate_proj.out_features}, ("M",))
         self._hwtune_original = [original]
+
+    def _fused(self):
+        return [self.gate_proj, self.up_proj], "gate_up_weight", "gate_up_bias"
+
+    _apply = _refuse_after_apply
+    __setstate__ = _refuse_after_setstate
 
     def forward(self, x):
         if _runs_original(self, x):
@@ -292,6 +325,7 @@ class HwtuneAttention(nn.Module):
         self.k_norm = getattr(original, "k_norm", None)
         self.num_heads = self.q_proj.out_features // self.head_dim
         self.num_kv_heads = self.k_proj.out_features // self.head_dim
+        self._hwtune_shared = shared
         weight, bias = _fuse([self.q_proj, self.k_proj, self.v_proj], shared)
         self.register_buffer("qkv_weight", weight, persistent=False)
         self.register_buffer("qkv_bias", bias, persistent=False)
@@ -314,6 +348,12 @@ class HwtuneAttention(nn.Module):
         # transformers >= 5.24 names the cache argument `cache`, earlier versions `past_key_values`
         self._cache_kwarg = "cache" if "cache" in inspect.signature(original.forward).parameters \
             else "past_key_values"
+
+    def _fused(self):
+        return [self.q_proj, self.k_proj, self.v_proj], "qkv_weight", "qkv_bias"
+
+    _apply = _refuse_after_apply
+    __setstate__ = _refuse_after_setstate
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cache=None, **kwargs):
