@@ -490,3 +490,20 @@ def test_a_layer_running_the_original_records_each_hidden_state_once():
     got = _hidden_states(model, ids)
     assert len(got) == len(want) == model.config.num_hidden_layers + 1
     assert all(rel_err(w, g) < TOL[torch.float32] for w, g in zip(want, got))
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["hooks-after-patch", "hooks-before-patch"])
+def test_output_attentions_gives_the_unpatched_attention_weights(before):
+    """A patched attention was not an instance of the model's attention class (hooks installed
+    after patch recorded nothing) and computes no weights: output_attentions came back empty."""
+    model = tiny_model("Llama", attn_implementation="eager")
+    ids = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = tiny_model("Llama", attn_implementation="eager")(ids, output_attentions=True).attentions
+        if before:
+            model(ids, output_attentions=True)
+    patch(model, dispatch.DispatchTable.empty(), stock_through_ops=True)
+    with torch.no_grad():
+        got = model(ids, output_attentions=True).attentions
+    assert len(got) == len(want) == model.config.num_hidden_layers
+    assert all(rel_err(w, g) < TOL[torch.float32] for w, g in zip(want, got))

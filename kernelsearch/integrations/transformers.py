@@ -68,8 +68,9 @@ Hooks: a swapped module takes over the forward hooks of the module it replaces, 
 unpatch the ones registered on it meanwhile (transformers 5 installs its output-recording hooks
 once per model); where it runs the original, it calls the original's forward, so those hooks run
 once, on the swapped module. A fused decoder layer is an instance of the model's own decoder-layer class (a
-subclass made at patch time), so output_hidden_states records every layer as unpatched. Not
-recorded: output_attentions (a patched attention computes no attention weights).
+subclass made at patch time), so output_hidden_states records every layer as unpatched; so is a
+patched attention, and while output_attentions is asked for, it and the fused layers run the
+model's own code (hwtune's kernels compute no attention weights).
 """
 from __future__ import annotations
 
@@ -84,6 +85,11 @@ from transformers.cache_utils import StaticLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kernelsearch import dispatch, ops
+
+try:   # transformers 5: what the model's output_* arguments ask its recording hooks to collect
+    from transformers.utils.output_capturing import _active_collector as _output_collector
+except ImportError:
+    _output_collector = None
 
 log = logging.getLogger("hwtune.transformers")
 
@@ -161,6 +167,13 @@ def _runs_original(module: nn.Module, x) -> bool:
     and gate|up weights are detached, so the patched path would give no gradients (or fail)."""
     return module.training or (torch.is_grad_enabled() and
                                (x.requires_grad or any(p.requires_grad for p in module.parameters())))
+
+
+def _records_attentions() -> bool:
+    """output_attentions is asked for (transformers 5 records each attention module's weights with
+    a hook): the model's own attention computes them, hwtune's decode kernels do not."""
+    collected = None if _output_collector is None else _output_collector.get()
+    return bool(collected) and "attentions" in collected
 
 
 def _rows(x) -> int:
@@ -315,7 +328,7 @@ class HwtuneAttention(nn.Module):
 
     def __init__(self, original: nn.Module, routes: _Routes, shared: list, attention_function,
                  guards_padding: bool, fused: bool = False):
-        super().__init__()
+        nn.Module.__init__(self)   # not the model's attention class's __init__ (see _own_class)
         for name, value in vars(original).items():   # config, layer_idx, head_dim, scaling, ...
             if not name.startswith("_") and name != "training":
                 setattr(self, name, value)
@@ -359,7 +372,7 @@ class HwtuneAttention(nn.Module):
                 past_key_values=None, cache=None, **kwargs):
         cache = cache if cache is not None else past_key_values
         if _runs_original(self, hidden_states) or position_embeddings is None or \
-                hidden_states.dtype != self.qkv_weight.dtype:
+                hidden_states.dtype != self.qkv_weight.dtype or _records_attentions():
             return self._hwtune_original[0].forward(hidden_states, position_embeddings, attention_mask,
                                             **{self._cache_kwarg: cache}, **kwargs)
         cache_position = kwargs.pop("cache_position", None)   # transformers 4.x passes it
@@ -654,7 +667,7 @@ class HwtuneDecoderLayer(nn.Module):
         cache = cache if cache is not None else past_key_values
         attn, mlp = self.self_attn, self.mlp
         if _runs_original(self, hidden_states) or position_embeddings is None or \
-                hidden_states.dtype != attn.qkv_weight.dtype:
+                hidden_states.dtype != attn.qkv_weight.dtype or _records_attentions():
             extra = {} if cache_position is None else {"cache_position": cache_position}
             return self._hwtune_original[0].forward(hidden_states, attention_mask=attention_mask,
                                             position_ids=position_ids, use_cache=use_cache,
@@ -911,8 +924,8 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
                 if getattr(attn, norm, None) is not None:
                     swap(attn, norm, HwtuneRMSNorm(getattr(attn, norm), routes), "rms_norm")
             first = "attention" not in report.patched
-            new_attn = HwtuneAttention(attn, routes, record.shared, attention_function,
-                                       guards_padding=first, fused=fused)
+            new_attn = _own_class(HwtuneAttention, attn)(attn, routes, record.shared, attention_function,
+                                                         guards_padding=first, fused=fused)
             swap(layer, "self_attn", new_attn, "attention")
             if new_attn._rope_kv_attn is None or new_attn._rope_kv_attn:
                 report.patched[FUSED_ATTENTION] = report.patched.get(FUSED_ATTENTION, 0) + 1
@@ -971,15 +984,19 @@ def _move_hooks(src: nn.Module, dst: nn.Module) -> None:
 _LAYER_CLASSES: dict = {}
 
 
-def _decoder_layer(original: nn.Module, routes: _Routes) -> HwtuneDecoderLayer:
-    """HwtuneDecoderLayer as an instance of the original layer's class too (transformers finds the
-    layers whose hidden states it records by isinstance)."""
+def _own_class(hwtune_cls, original: nn.Module):
+    """`hwtune_cls` as a subclass of the original module's class too (transformers finds the
+    layers and attention modules whose outputs it records by isinstance)."""
     base = type(original)
-    cls = _LAYER_CLASSES.get(base)
+    cls = _LAYER_CLASSES.get((hwtune_cls, base))
     if cls is None:
-        cls = type(f"Hwtune{base.__name__}", (HwtuneDecoderLayer, base), {"__module__": __name__})
-        _LAYER_CLASSES[base] = cls
-    return cls(original, routes)
+        cls = type(f"Hwtune{base.__name__}", (hwtune_cls, base), {"__module__": __name__})
+        _LAYER_CLASSES[(hwtune_cls, base)] = cls
+    return cls
+
+
+def _decoder_layer(original: nn.Module, routes: _Routes) -> HwtuneDecoderLayer:
+    return _own_class(HwtuneDecoderLayer, original)(original, routes)
 
 
 def unpatch(model) -> None:
