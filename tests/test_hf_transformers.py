@@ -397,6 +397,25 @@ def test_weights_loaded_after_a_dtype_move_or_a_deepcopy_reach_the_patched_model
     unpatch(model)
     assert max(rel_err(w, g) for w, g in zip(want, prefill_and_decode(model, ids))) < 3e-3
 
+
+def test_a_patched_model_pickles_and_the_copy_gives_the_same_logits():
+    """torch.save(model) of a patched model raised PicklingError: the fused decoder layer's class,
+    made at patch time, could not be found by name in this module."""
+    import io
+
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(13))
+    model = tiny_model("Llama")
+    want = prefill_and_decode(model, ids)
+    patch(model, counting_table(), stock_through_ops=True)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    copy = torch.load(buf, weights_only=False)
+    assert isinstance(copy.model.layers[0], HwtuneDecoderLayer)
+    assert max(rel_err(w, g) for w, g in zip(want, prefill_and_decode(copy, ids))) < 1e-5
+    unpatch(copy)
+    assert max(rel_err(w, g) for w, g in zip(want, prefill_and_decode(copy, ids))) < 1e-5
+
 CHILD = textwrap.dedent('''
     import json, sys
     import torch

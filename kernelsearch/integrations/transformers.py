@@ -992,6 +992,7 @@ def _own_class(hwtune_cls, original: nn.Module):
     if cls is None:
         cls = type(f"Hwtune{base.__name__}", (hwtune_cls, base), {"__module__": __name__})
         _LAYER_CLASSES[(hwtune_cls, base)] = cls
+        globals()[cls.__name__] = cls   # where pickle (torch.save of the model) looks the class up
     return cls
 
 
