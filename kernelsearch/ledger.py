@@ -13,6 +13,7 @@ there (1) or stock won (0); rows written before the column existed hold NULL (no
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -100,6 +101,14 @@ def git_describe(repo_dir: Path = PACKAGE_DIR.parent) -> str:
     return out.stdout.strip() or "unknown"
 
 
+class LedgerError(ValueError):
+    """A ledger file this version cannot use, or a write it refused (names the file)."""
+
+
+SEARCHES_COLUMNS = ("run_id", "kernel", "dtype", "shape", "strategy", "budget", "source_hash",
+                    "fingerprint", "code_version", "finished_at")
+
+
 def _db_float(x):
     return float(x) if x is not None and math.isfinite(float(x)) else None
 
@@ -109,13 +118,35 @@ def _py_float(x):
 
 
 class Ledger:
-    def __init__(self, path):
+    def __init__(self, path, *, write: bool = True):
+        """Open (making it when missing) the ledger at `path`; LedgerError naming the file when
+        it is not one (corrupt, truncated, another schema) or, with `write`, cannot be written
+        now (read-only, another writer holding it past the timeout): said before a search
+        spends its time, not when its first row is recorded."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(self.path), timeout=30)
         self.db.row_factory = sqlite3.Row
+        try:
+            self._open(write)
+        except sqlite3.Error as exc:
+            self.db.close()
+            raise LedgerError(f"ledger {self.path}: not a ledger this hwtune can use ({exc}); "
+                              "move it aside or choose another --ledger") from None
+        except LedgerError:
+            self.db.close()
+            raise
+
+    def _open(self, write: bool) -> None:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
+        for table, wanted in (("attempts", COLUMNS), ("searches", SEARCHES_COLUMNS)):
+            have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            missing = [c for c in wanted if c not in have]
+            if missing:
+                raise LedgerError(f"ledger {self.path}: table {table} has no column {', '.join(missing)} "
+                                  "(written by another version of hwtune?); move it aside or choose "
+                                  "another --ledger")
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(searches)")}
         if "kept" not in columns:   # a ledger from before the column: its rows stay NULL
             try:
@@ -125,9 +156,31 @@ class Ledger:
                 columns = {row[1] for row in self.db.execute("PRAGMA table_info(searches)")}
                 if "kept" not in columns:
                     raise
+        if write:   # a row inserted and rolled back: the file stays as it was
+            try:
+                self.db.execute("BEGIN IMMEDIATE")
+                try:
+                    self.db.execute(f"INSERT INTO searches ({', '.join(SEARCHES_COLUMNS)}) "
+                                    f"VALUES ({', '.join('?' * len(SEARCHES_COLUMNS))})",
+                                    ("", "", "", "", "", 0, "", "", "", 0.0))
+                finally:
+                    self.db.rollback()
+            except sqlite3.Error as exc:
+                raise LedgerError(f"ledger {self.path}: cannot be written ({exc}); "
+                                  "choose another --ledger") from None
 
     def close(self) -> None:
         self.db.close()
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """One transaction; a failed write (disk full, the file made read-only, another writer
+        past the timeout) is rolled back whole and raised as LedgerError naming the file."""
+        try:
+            with self.db:
+                yield
+        except sqlite3.Error as exc:
+            raise LedgerError(f"ledger {self.path}: {exc}; nothing of this write was kept") from None
 
     def __enter__(self):
         return self
@@ -151,7 +204,7 @@ class Ledger:
             for f in ("candidate_ms", "stock_ms", "noise_band", "flops", "bytes"):
                 r[f] = _db_float(r.get(f))
             values.append(tuple(r[c] for c in COLUMNS))
-        with self.db:
+        with self._writing():
             self.db.executemany(
                 f"INSERT INTO attempts ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
                 values)
@@ -164,7 +217,7 @@ class Ledger:
         flags = [None] * len(shapes) if kept is None else [int(bool(k)) for k in kept]
         if len(flags) != len(shapes):
             raise ValueError(f"record_search: {len(flags)} kept flag(s) for {len(shapes)} shape(s)")
-        with self.db:
+        with self._writing():
             self.db.executemany(
                 "INSERT INTO searches (run_id, kernel, dtype, shape, strategy, budget, source_hash, "
                 "fingerprint, code_version, finished_at, kept) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

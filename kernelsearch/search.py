@@ -434,10 +434,15 @@ def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device:
     if out.exists():
         DispatchTable.load(out)   # TableError now, not after the search when the winners are merged
     budget = parse_budget(budget)
+    # LedgerError now (not a ledger, read-only), not after the roofline and the first evaluation
+    ledger = Ledger(ledger_path or state_dir / "ledger.sqlite")
     if ceilings is None:
         progress(f"roofline: ceilings for {fp_id} (measured once, then cached)")
-        ceilings = load_or_measure(state_dir / "roofline" / f"{fp_id}.json", device, fp_id)
-    ledger = Ledger(ledger_path or state_dir / "ledger.sqlite")
+        try:
+            ceilings = load_or_measure(state_dir / "roofline" / f"{fp_id}.json", device, fp_id)
+        except BaseException:
+            ledger.close()
+            raise
     loop = Loop(kernel=kernel, device=device, shapes=shapes, dtype=dtype, ledger=ledger,
                 executor=executor or SequentialExecutor(), fingerprint=fp, fingerprint_id=fp_id,
                 strategy=strategy, resume=resume, timeout_s=timeout_s, progress=progress,

@@ -64,14 +64,14 @@ def _describe(fp: dict) -> str:
     return ", ".join(f"{k} {fp.get(k)}" for k in keys)
 
 
-def _ledger(state_dir, ledger_path) -> Ledger:
-    return Ledger(ledger_path or Path(state_dir) / "ledger.sqlite")
+def _ledger(state_dir, ledger_path, write: bool = True) -> Ledger:
+    return Ledger(ledger_path or Path(state_dir) / "ledger.sqlite", write=write)
 
 
 def fingerprints_in(state_dir, ledger_path=None) -> dict[str, int]:
     """Fingerprint ids present in the ledger or as dispatch tables, with their row counts."""
     found: dict[str, int] = {}
-    with _ledger(state_dir, ledger_path) as ledger:
+    with _ledger(state_dir, ledger_path, write=False) as ledger:
         for fp_id, n in ledger.db.execute("SELECT fingerprint, COUNT(*) FROM attempts GROUP BY fingerprint"):
             found[fp_id] = n
     for path in sorted((Path(state_dir) / "dispatch").glob("*.json")):
@@ -85,7 +85,7 @@ def export_bundle(state_dir, fingerprint_id: str, fingerprint: dict | None = Non
     """One fingerprint's rows and dispatch table as a JSON-ready bundle (`kernel` narrows it)."""
     from kernelsearch.dispatch import table_path
 
-    with _ledger(state_dir, ledger_path) as ledger:
+    with _ledger(state_dir, ledger_path, write=False) as ledger:
         rows = ledger.attempts(kernel=kernel, fingerprint=fingerprint_id)
     attempts = []
     for row in rows:

@@ -114,3 +114,63 @@ def test_read_accepted_only_reads_and_sees_rows_a_killed_writer_left_in_the_wal(
     with pytest.raises(sqlite3.DatabaseError):
         read_accepted(tmp_path / "junk.sqlite", **want)
     assert not any(p.name.startswith("junk.sqlite-") for p in tmp_path.iterdir())
+
+
+def test_a_file_that_is_not_a_usable_ledger_is_refused_naming_it(tmp_path):
+    import pytest
+
+    from kernelsearch.ledger import LedgerError
+
+    good = tmp_path / "good.sqlite"
+    with Ledger(good) as ledger:
+        ledger.record([_row()] * 50)
+    junk = tmp_path / "junk.sqlite"
+    junk.write_bytes(b"junk" * 1000)
+    truncated = tmp_path / "truncated.sqlite"
+    truncated.write_bytes(good.read_bytes()[:5000])
+    renamed = tmp_path / "renamed.sqlite"
+    renamed.write_bytes(good.read_bytes())
+    db = sqlite3.connect(renamed)
+    db.execute("ALTER TABLE attempts RENAME COLUMN reason TO why")   # another version's schema
+    db.commit()
+    db.close()
+    older = tmp_path / "older.sqlite"
+    db = sqlite3.connect(older)
+    db.execute("CREATE TABLE attempts (id INTEGER PRIMARY KEY, run_id TEXT, kernel TEXT)")
+    db.commit()
+    db.close()
+    for path in (junk, truncated, renamed, older):
+        with pytest.raises(LedgerError, match=f"ledger {path}: .*(another --ledger)"):
+            Ledger(path)
+
+
+def test_a_read_only_ledger_is_refused_for_writing_and_opens_for_reading(tmp_path, monkeypatch):
+    import pytest
+
+    from kernelsearch.ledger import LedgerError
+
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as ledger:
+        ledger.record([_row()])
+    # as SQLite opens a file it may not write (chmod is no bar to root, so say it directly)
+    real = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda name, **kw: real(f"file:{name}?mode=ro", uri=True, **kw))
+    with pytest.raises(LedgerError, match=f"ledger {path}: cannot be written"):
+        Ledger(path)
+    with Ledger(path, write=False) as ledger:
+        assert len(ledger.attempts()) == 1
+
+
+def test_a_failed_write_is_a_ledger_error_and_keeps_nothing_of_it(tmp_path):
+    import pytest
+
+    from kernelsearch.ledger import LedgerError
+
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as ledger:
+        ledger.record([_row()])
+        ledger.db.execute("PRAGMA query_only=1")   # as a file turned read-only under a search
+        with pytest.raises(LedgerError, match=f"ledger {path}: .*nothing of this write was kept"):
+            ledger.record([_row(), _row()])
+        ledger.db.execute("PRAGMA query_only=0")
+        assert len(ledger.attempts()) == 1

@@ -301,3 +301,24 @@ def test_a_bundle_of_the_wrong_form_is_one_line_exit_2(tmp_path, local_fp, part)
     bundle.write_text(json.dumps({"format": "hwtune-share", "version": 1, "fingerprint_id": local_fp[1], **part}))
     got = run_hwtune("--state-dir", tmp_path / "s", "share", "import", bundle, "--device", "cpu")
     assert got.returncode == 2 and "Traceback" not in got.stderr and "malformed bundle" in got.stderr, got.stderr
+
+
+def test_a_ledger_that_is_not_one_is_one_line_exit_2_for_export_import_and_search(tmp_path, host_a):
+    """A corrupt, truncated or other-version ledger was a sqlite3 traceback (exit 1, no JSON
+    document) from share export, share import and, after the roofline, from hwtune search."""
+    bundle = tmp_path / "bundle.json"
+    run_hwtune("--state-dir", host_a[0], "share", "export", "--device", "cpu", "-o", bundle, check=True)
+    state = tmp_path / "b"
+    state.mkdir(mode=0o700)
+    ledger = state / "ledger.sqlite"
+    ledger.write_bytes(b"not a database" * 300)
+    for args in (("share", "export", "--device", "cpu", "-o", tmp_path / "out.json", "--json"),
+                 ("share", "import", bundle, "--device", "cpu", "--json"),
+                 ("search", "rmsnorm", "--device", "cpu", "--budget", "1", "--shape", "M=1,N=128", "--json")):
+        got = run_hwtune("--state-dir", state, *args, timeout=300)
+        assert got.returncode == 2 and "Traceback" not in got.stderr, (args, got.stderr)
+        assert got.stderr.strip().count("\n") == 0 and f"ledger {ledger}: not a ledger" in got.stderr, got.stderr
+        assert json.loads(got.stdout)["exit_code"] == 2
+        assert "roofline" not in got.stderr   # refused before the search measured anything
+    assert ledger.read_bytes() == b"not a database" * 300
+    assert not (state / "dispatch").exists() or not any((state / "dispatch").glob("*.json"))

@@ -184,6 +184,7 @@ def run_search(args, ctx) -> int:
     except ExecutorError as exc:
         raise UsageError(str(exc)) from None
     from kernelsearch.dispatch import TableError
+    from kernelsearch.ledger import LedgerError
 
     with scale_out as executor:
         try:
@@ -196,6 +197,8 @@ def run_search(args, ctx) -> int:
         except TableError as exc:
             raise UsageError(f"{exc}: the search would merge its winners into it; move it aside "
                              "or choose another --dispatch-out") from None
+        except LedgerError as exc:
+            raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True))
     else:

@@ -49,6 +49,7 @@ def run_share(args, ctx) -> int:
     from kernelsearch import share
     from kernelsearch.dispatch import TableError
     from kernelsearch.fingerprint import fingerprint_id
+    from kernelsearch.ledger import LedgerError
 
     if args.share_command == "export":
         if args.kernel is not None:
@@ -66,6 +67,8 @@ def run_share(args, ctx) -> int:
             raise UsageError(str(exc).strip("'\"")) from None
         except TableError as exc:
             raise UsageError(f"{exc}; move it aside to export the ledger rows alone") from None
+        except LedgerError as exc:
+            raise UsageError(str(exc)) from None
         text = json.dumps(bundle, indent=1, sort_keys=True) + "\n"
         if args.output == "-":
             sys.stdout.write(text)
@@ -112,6 +115,8 @@ def run_share(args, ctx) -> int:
         raise UsageError(f"{args.bundle}: {exc}") from None
     except TableError as exc:
         raise UsageError(f"this host's {exc}; nothing was merged into it") from None
+    except LedgerError as exc:
+        raise UsageError(f"{exc}; nothing was imported") from None
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     print(f"{'forced: ' if report['forced'] else ''}{report['rows_added']} ledger rows added "
