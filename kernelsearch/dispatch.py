@@ -47,6 +47,11 @@ class TableError(ValueError):
     """A file that is not a dispatch table this version reads (names the file)."""
 
 
+class TableWriteError(TableError):
+    """A table that could not be saved (a full disk, a read-only file system): the file is as it
+    was before (names the file)."""
+
+
 class _ShapeOf(dict):
     """kernel -> fn(args) -> shape dict: each spec's own `call_shape` (a new kernel adds
     nothing here)."""
@@ -229,17 +234,23 @@ class DispatchTable:
 
     def save(self, path) -> Path:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # A private temporary name: two writers never share (and tear) one temporary file.
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        text = json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n"
+        tmp = None
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # A private temporary name: two writers never share (and tear) one temporary file.
+            fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
             with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
+                f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+        except BaseException as exc:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise TableWriteError(f"{path}: cannot be written ({exc.strerror or exc}); "
+                                      "the table is as it was") from None
             raise
         return path
 

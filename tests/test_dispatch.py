@@ -328,3 +328,26 @@ def test_a_table_another_user_may_write_is_refused(tmp_path):
         os.chown(path, 65534, 65534)
         with pytest.raises(TableError, match="owned by uid 65534"):
             DispatchTable.load(path)
+
+
+def test_a_table_that_cannot_be_saved_is_a_table_write_error_and_stays_as_it_was(tmp_path, monkeypatch):
+    """A full disk (ENOSPC) while saving was an OSError traceback after a whole search."""
+    import errno
+    import os
+
+    from kernelsearch.dispatch import TableWriteError
+
+    path = tmp_path / "table.json"
+    DispatchTable.empty().save(path)
+    before = path.read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    table = DispatchTable.empty()
+    table.data["fingerprint_id"] = "cpu-new"
+    with pytest.raises(TableWriteError, match=f"{path}: cannot be written \\(No space left on device\\)"):
+        table.save(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["table.json"]   # no temporary file left

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from daemon.device import DEVICE_HELP, resolve_device
 from daemon.commands.kernels import KERNEL_HELP
-from hwtune.errors import UsageError
+from hwtune.errors import HwtuneError, UsageError
 
 STRATEGIES = ("grid", "random", "optuna", "evolution", "agent")
 
@@ -183,7 +183,7 @@ def run_search(args, ctx) -> int:
                                   ray_address=args.ray_address)
     except ExecutorError as exc:
         raise UsageError(str(exc)) from None
-    from kernelsearch.dispatch import TableError
+    from kernelsearch.dispatch import TableError, TableWriteError
     from kernelsearch.ledger import LedgerError
 
     with scale_out as executor:
@@ -194,6 +194,9 @@ def run_search(args, ctx) -> int:
                             timeout_s=args.timeout_s, source_path=args.source, agent=agent,
                             executor=executor, time_limit_s=args.time_limit_s,
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
+        except TableWriteError as exc:
+            raise HwtuneError(f"{exc}; every attempt is in the ledger (--resume measures none of "
+                              "them again)") from None
         except TableError as exc:
             raise UsageError(f"{exc}: the search would merge its winners into it; move it aside "
                              "or choose another --dispatch-out") from None
