@@ -151,6 +151,39 @@ def _has_row(ledger: Ledger, row: dict) -> bool:
          canonical(row["params"]), row["fingerprint"], row["code_version"], row["started_at"])).fetchone() is not None
 
 
+_TEXT = ("run_id", "kernel", "dtype", "strategy", "source", "source_hash", "fingerprint", "code_version")
+_NUMBERS = ("candidate_ms", "stock_ms", "noise_band", "flops", "bytes")
+
+
+def _is_number(x) -> bool:
+    # an int past a float's range (10**400) is no time: float() of it raises
+    return isinstance(x, int | float) and not isinstance(x, bool) and (
+        isinstance(x, float) or abs(x) <= 2 ** 1023)
+
+
+def _row_problem(row: dict) -> str | None:
+    """Why a bundle's ledger row is not one (a field of the wrong type), or None: the ledger
+    stores what it is given, and --resume and summaries read it back as these types."""
+    for c in _TEXT:
+        if not isinstance(row[c], str):
+            return f"'{c}' must be a string"
+    for c in ("guard", "reason", "git_describe"):
+        if row.get(c) is not None and not isinstance(row[c], str):
+            return f"'{c}' must be a string or null"
+    for c in ("shape", "params", "fingerprint_json"):
+        if not isinstance(row[c], dict):
+            return f"'{c}' must be an object"
+    if not isinstance(row["accepted"], bool):
+        return "'accepted' must be true or false"
+    for c in _NUMBERS:
+        if row[c] is not None and not _is_number(row[c]):
+            return f"'{c}' must be a number or null"
+    for c in ("started_at", "finished_at"):
+        if not (_is_number(row[c]) and math.isfinite(row[c])):
+            return f"'{c}' must be a finite number"
+    return None
+
+
 def _ms(e) -> float:
     return float(e.candidate_ms) if e.candidate_ms is not None else math.inf
 
@@ -177,10 +210,13 @@ def import_bundle(bundle: dict, state_dir, local_fingerprint: dict, ledger_path=
               "refused": [], "table": None}
     with _ledger(state_dir, ledger_path) as ledger:
         new = []
-        for row in bundle.get("attempts", []):
+        for i, row in enumerate(bundle.get("attempts", [])):
             missing = [c for c in COLUMNS if c not in row and c != "git_describe"]
             if missing:
                 raise BadBundle(f"ledger row without {', '.join(missing)}")
+            problem = _row_problem(row)
+            if problem:
+                raise BadBundle(f"malformed bundle: ledger row {i}: {problem}")
             if _has_row(ledger, row) or any(_same_row(row, n) for n in new):
                 report["rows_present"] += 1
             else:

@@ -322,3 +322,28 @@ def test_a_ledger_that_is_not_one_is_one_line_exit_2_for_export_import_and_searc
         assert "roofline" not in got.stderr   # refused before the search measured anything
     assert ledger.read_bytes() == b"not a database" * 300
     assert not (state / "dispatch").exists() or not any((state / "dispatch").glob("*.json"))
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("candidate_ms", "fast", "'candidate_ms' must be a number or null"),
+    ("candidate_ms", 10 ** 400, "'candidate_ms' must be a number or null"),
+    ("started_at", None, "'started_at' must be a finite number"),
+    ("started_at", "yesterday", "'started_at' must be a finite number"),
+    ("shape", "M=4,N=64", "'shape' must be an object"),
+    ("kernel", 5, "'kernel' must be a string"),
+    ("accepted", "false", "'accepted' must be true or false")])
+def test_a_ledger_row_of_the_wrong_types_is_refused_and_nothing_is_stored(tmp_path, local_fp, field, value, why):
+    """A string or an int past a float's range as a time was a ValueError / OverflowError
+    traceback; a null time a NOT NULL error; the others were stored as given ("false" as
+    accepted)."""
+    fp, fp_id = local_fp
+    bundle = tmp_path / "x.json"
+    bad = {**row(fp, fp_id, run_id="r2"), field: value}
+    bundle.write_text(json.dumps({"format": "hwtune-share", "version": 1, "fingerprint_id": fp_id,
+                                  "fingerprint": fp, "attempts": [row(fp, fp_id), bad]}))
+    state = tmp_path / "s"
+    got = run_hwtune("--state-dir", state, "share", "import", bundle, "--device", "cpu", "--json")
+    assert got.returncode == 2 and "Traceback" not in got.stderr, got.stderr
+    assert got.stderr.strip() == f"hwtune share: {bundle}: malformed bundle: ledger row 1: {why}"
+    assert json.loads(got.stdout)["exit_code"] == 2
+    assert ledger_rows(state) == []
