@@ -114,7 +114,14 @@ class Entry:
             v = data.get(name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
                 raise EntryError(f"dispatch entry {data['kernel']}: '{name}' must be a number")
-            numbers[name] = float(v) if v is not None and math.isfinite(v) else None
+            # a time or speedup that is not positive (or a negative band) is no measurement: unknown,
+            # as inf and NaN are; -1 ms would win every "faster than" comparison
+            try:
+                v = None if v is None else float(v)
+            except OverflowError:   # an int past a float's range: no time either
+                v = None
+            low_ok = v is not None and math.isfinite(v) and (v >= 0 if name == "noise_band" else v > 0)
+            numbers[name] = v if low_ok else None
         extra = {k: v for k, v in data.items() if k not in _ENTRY_FIELDS}
         return cls(kernel=data["kernel"], dtype=data["dtype"], shape=_freeze(shape),
                    source=_freeze(source), source_hash=data.get("source_hash"),

@@ -351,3 +351,18 @@ def test_a_table_that_cannot_be_saved_is_a_table_write_error_and_stays_as_it_was
         table.save(path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["table.json"]   # no temporary file left
+
+
+def test_an_entrys_time_that_is_negative_zero_or_past_a_float_is_unknown_not_an_error(tmp_path):
+    """-5 ms was kept as a time (it wins every "faster than" comparison: a share import's winner
+    with it replaced any local one), and 10**400 ms was an OverflowError traceback from loading
+    the table -- from hwtune search before its first evaluation."""
+    base = {"kernel": "rmsnorm", "dtype": "float32", "shape": {"M": 9, "N": 128}}
+    e = Entry.from_json({**base, "candidate_ms": -5, "stock_ms": 0, "speedup": -2.0, "noise_band": -0.1})
+    assert (e.candidate_ms, e.stock_ms, e.speedup, e.noise_band) == (None, None, None, None)
+    assert Entry.from_json({**base, "noise_band": 0, "candidate_ms": 0.5}).noise_band == 0.0
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"format": 1, "entries": [{**base, "candidate_ms": 10 ** 400}]}))
+    path.chmod(0o600)
+    table = DispatchTable.load(path)
+    assert len(table.entries) == 1 and table.entries[0].candidate_ms is None
