@@ -3,10 +3,11 @@ import json
 import re
 import os
 import sqlite3
+from pathlib import Path
 
 import pytest
 
-from conftest import run_hwtune
+from conftest import ROOT, run_hwtune
 
 ARGS = ("search", "rmsnorm", "--device", "cpu", "--budget", "2", "--shape", "M=5,N=1000",
         "--shape", "M=3,N=130,dtype=bfloat16", "--timeout-s", "120")
@@ -148,3 +149,23 @@ def test_a_kept_step_kernel_points_to_the_step_judge_and_nothing_else_does():
     assert hint not in _table(_result("rmsnorm_qkv_rope", "cuda", False))    # nothing kept
     assert hint not in _table(_result("softmax", "cuda", True))              # no step routes it
     assert hint not in _table(_result("matmul", "cuda", True))
+
+
+def test_resume_puts_no_kernel_in_the_table_on_a_ledger_rows_word_alone(tmp_path):
+    """--resume planned a winner resumed from the ledger without verifying it, so a row saying a
+    wrong kernel was accepted (a share-import bundle's rows are stored as given) put that kernel
+    in the dispatch table. It is verified again first, and left out when rejected."""
+    src = tmp_path / "fixed_eps.py"
+    src.write_text((ROOT / "tests" / "candidates" / "hack_fixed_eps.py").read_text())
+    args = ("--state-dir", tmp_path / "s", "search", "rmsnorm", "--device", "cpu", "--budget", "1",
+            "--shape", "M=1,N=128", "--source", src, "--json")
+    first = run_hwtune(*args, timeout=300, check=True)
+    assert json.loads(first.stdout)["shapes"][0]["verdicts"] == {"correctness": 1}
+    db = sqlite3.connect(tmp_path / "s" / "ledger.sqlite")
+    db.execute("UPDATE attempts SET accepted=1, guard=NULL, reason='', candidate_ms=0.001, stock_ms=1.0")
+    db.commit()
+    db.close()
+    resumed = run_hwtune(*args, "--resume", timeout=300, check=True)
+    assert json.loads(resumed.stdout)["resumed"] == 1
+    table = json.loads(Path(json.loads(resumed.stdout)["table_path"]).read_text())
+    assert table["entries"] == []
