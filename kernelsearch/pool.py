@@ -306,10 +306,18 @@ class Pool:
         self.close()
 
     def close(self) -> None:
-        for slot in self.slots:
-            slot.stop()
-        if self._own_log_dir:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
+        try:
+            for slot in self.slots:
+                slot.stop()
+        finally:
+            # a Ctrl-C while a worker is asked to exit (its wait can be seconds) stopped the loop:
+            # every worker is still killed and the folder removed
+            for slot in self.slots:
+                if slot.proc is not None:
+                    _kill_tree(slot.proc)
+                    slot.proc = None
+            if self._own_log_dir:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
 
     # --- the queue ------------------------------------------------------------------------
     def map(self, jobs: list[dict]) -> list[dict]:

@@ -230,3 +230,23 @@ def test_hwtune_search_with_a_pool_runs_the_real_harness(tmp_path):
     assert shape["attempts"] == 2
     assert sum(shape["verdicts"].values()) == 2
     assert shape["verdicts"].get("accepted", 0) >= 1, shape  # the built-in template passes the verifier
+
+
+def test_a_ctrl_c_while_closing_still_kills_every_worker_and_removes_the_log_folder(monkeypatch):
+    """Ctrl-C while close() waited for the first worker to exit skipped the other workers and
+    left the pool's hwtune-pool-* folder (worker logs) in /tmp."""
+    from kernelsearch.pool import Pool
+
+    pool = Pool(device="cpu", workers=2, runner=RUNNER, env=WORKER_ENV)
+    pool.map([job(BLOCK=b) for b in (1, 2, 4, 8)])
+    pids = [s.proc.pid for s in pool.slots]
+    first = pool.slots[0]
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(first, "stop", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.close()
+    assert not any(_alive(pid) for pid in pids)
+    assert not pool.log_dir.exists()
