@@ -17,7 +17,9 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import sqlite3
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -109,6 +111,23 @@ SEARCHES_COLUMNS = ("run_id", "kernel", "dtype", "shape", "strategy", "budget", 
                     "fingerprint", "code_version", "finished_at")
 
 
+def _check_file(path: Path) -> None:
+    """LedgerError unless `path` (a link followed) is missing or a regular file owned by this
+    user or root: SQLite on a FIFO failed with a traceback, and rows another user wrote would
+    steer what a search keeps (hwtune runs as root)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise LedgerError(f"ledger {path}: cannot be read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise LedgerError(f"ledger {path}: not a regular file" + (" (a directory)" if stat.S_ISDIR(st.st_mode) else ""))
+    if st.st_uid not in (0, os.geteuid()):
+        raise LedgerError(f"ledger {path}: owned by uid {st.st_uid}, not by this user or root; refusing to "
+                          "trust it (inspect it, then remove it or choose another --ledger)")
+
+
 def _db_float(x):
     return float(x) if x is not None and math.isfinite(float(x)) else None
 
@@ -125,7 +144,11 @@ class Ledger:
         spends its time, not when its first row is recorded."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(self.path), timeout=30)
+        _check_file(self.path)
+        try:
+            self.db = sqlite3.connect(str(self.path), timeout=30)
+        except sqlite3.Error as exc:
+            raise LedgerError(f"ledger {self.path}: cannot be opened ({exc})") from None
         self.db.row_factory = sqlite3.Row
         try:
             self._open(write)

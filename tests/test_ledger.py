@@ -174,3 +174,26 @@ def test_a_failed_write_is_a_ledger_error_and_keeps_nothing_of_it(tmp_path):
             ledger.record([_row(), _row()])
         ledger.db.execute("PRAGMA query_only=0")
         assert len(ledger.attempts()) == 1
+
+
+def test_a_ledger_that_is_no_regular_file_or_another_users_is_refused(tmp_path):
+    """A FIFO was a sqlite3 'disk I/O error' traceback from connect(); a ledger another user
+    owns was used, its rows steering what --resume keeps."""
+    import os
+
+    import pytest
+
+    from kernelsearch.ledger import LedgerError
+
+    fifo = tmp_path / "fifo.sqlite"
+    os.mkfifo(fifo)
+    with pytest.raises(LedgerError, match=f"ledger {fifo}: not a regular file"):
+        Ledger(fifo)
+    if os.geteuid() == 0:
+        other = tmp_path / "other.sqlite"
+        with Ledger(other) as ledger:
+            ledger.record([_row()])
+        os.chown(other, 65534, 65534)
+        for write in (True, False):
+            with pytest.raises(LedgerError, match="owned by uid 65534, not by this user or root"):
+                Ledger(other, write=write)
