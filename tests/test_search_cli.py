@@ -169,3 +169,34 @@ def test_resume_puts_no_kernel_in_the_table_on_a_ledger_rows_word_alone(tmp_path
     assert json.loads(resumed.stdout)["resumed"] == 1
     table = json.loads(Path(json.loads(resumed.stdout)["table_path"]).read_text())
     assert table["entries"] == []
+
+
+def test_sigterm_ends_a_pool_search_as_ctrl_c_does_exit_143_and_leaves_nothing_behind(tmp_path):
+    """SIGTERM killed hwtune search outright: no --json document, the pool's workers orphaned
+    and its hwtune-pool-* folder of worker logs left in the temporary directory."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
+    env.pop("HWTUNE_READ_ONLY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--state-dir", str(tmp_path / "s"), "search",
+                             "rmsnorm", "--device", "cpu", "--budget", "3", "--shape", "M=1,N=128",
+                             "--shape", "M=2,N=256", "--executor", "pool", "--workers", "2", "--json"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(tmp.glob("hwtune-pool-*/worker-*.log")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("hwtune search: interrupted by SIGTERM")
+    assert json.loads(out)["exit_code"] == 143
+    assert list(tmp.iterdir()) == []
+    db = sqlite3.connect(tmp_path / "s" / "ledger.sqlite")
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    db.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 
@@ -183,8 +184,39 @@ def run_search(args, ctx) -> int:
                                   ray_address=args.ray_address)
     except ExecutorError as exc:
         raise UsageError(str(exc)) from None
+
+    def stop(signum, frame):
+        raise _Stop(signum)
+
+    # SIGTERM / SIGHUP end the search as Ctrl-C does: the pool's workers stopped and its folder
+    # removed, a transaction or a table being written rolled back, one line (and --json document)
+    old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        result = _search(args, ctx, scale_out, budget, device, agent)
+    except _Stop as exc:
+        from hwtune import signals
+
+        raise signals.Interrupted(exc.args[0], f"interrupted by {signals.name(exc.args[0])}: the attempts "
+                                  "finished are in the ledger (--resume goes on from them), the dispatch "
+                                  "table is as it was or whole") from None
+    finally:
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2, sort_keys=True))
+    else:
+        print(_table(result))
+    return 0
+
+
+class _Stop(BaseException):
+    pass
+
+
+def _search(args, ctx, scale_out, budget, device, agent):
     from kernelsearch.dispatch import TableError, TableWriteError
     from kernelsearch.ledger import LedgerError
+    from kernelsearch.search import search
 
     with scale_out as executor:
         try:
@@ -202,8 +234,4 @@ def run_search(args, ctx) -> int:
                              "or choose another --dispatch-out") from None
         except LedgerError as exc:
             raise UsageError(str(exc)) from None
-    if args.json:
-        print(json.dumps(result.to_json(), indent=2, sort_keys=True))
-    else:
-        print(_table(result))
-    return 0
+    return result
