@@ -347,3 +347,25 @@ def test_a_ledger_row_of_the_wrong_types_is_refused_and_nothing_is_stored(tmp_pa
     assert got.stderr.strip() == f"hwtune share: {bundle}: malformed bundle: ledger row 1: {why}"
     assert json.loads(got.stdout)["exit_code"] == 2
     assert ledger_rows(state) == []
+
+
+def test_an_export_that_cannot_be_written_whole_keeps_the_file_it_replaces(tmp_path, monkeypatch):
+    """`share export -o FILE` on a full disk left FILE truncated (an earlier bundle there lost)."""
+    import errno
+
+    from daemon.commands import share as share_cmd
+
+    out = tmp_path / "bundle.json"
+    out.write_text('{"earlier": 1}')
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        share_cmd._write_whole(out, json.dumps({"rows": list(range(1000))}))
+    assert out.read_text() == '{"earlier": 1}'
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle.json"]
+    monkeypatch.undo()
+    share_cmd._write_whole(out, "{}\n")
+    assert out.read_text() == "{}\n" and oct(out.stat().st_mode & 0o777) == "0o644"

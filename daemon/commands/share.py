@@ -42,6 +42,33 @@ def _local_fingerprint(device: str) -> dict:
     return collect(device)
 
 
+def _write_whole(path: Path, text: str) -> None:
+    """A regular file (or a new one) gets the whole bundle or keeps what it held: a full disk
+    left a truncated bundle, an earlier one at that name lost. Anything else (/dev/stdout, a
+    FIFO) is written as it is."""
+    import stat
+    import tempfile
+
+    try:
+        regular = stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        regular = True
+    if not regular:
+        path.write_text(text)
+        return
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 MAX_BUNDLE_BYTES = 256 << 20   # a bundle is read whole: ledger rows and kernel sources, far less
 
 
@@ -74,7 +101,7 @@ def run_share(args, ctx) -> int:
             sys.stdout.write(text)
         else:
             try:
-                Path(args.output).write_text(text)
+                _write_whole(Path(args.output), text)
             except OSError as exc:
                 raise UsageError(f"--output {args.output}: {exc.strerror or exc}") from None
         for note in bundle["notes"]:
