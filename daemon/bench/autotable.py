@@ -62,7 +62,7 @@ def _searched(state_dir, fingerprint_id: str, kernels) -> set:
     from kernelsearch.ledger import Ledger, file_hash
 
     hashes = {k: file_hash(template_path(k)) for k in kernels if k in TEMPLATES}
-    with Ledger(path) as ledger:
+    with Ledger(path, write=False) as ledger:   # only read: no write probe
         return ledger.searched(fingerprint=fingerprint_id, source_hashes=hashes)
 
 
