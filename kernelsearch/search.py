@@ -383,7 +383,10 @@ def _merge_winners(table, kernel: str, fingerprint: dict, fingerprint_id: str,
             b = r.best
             plan = b.get("plan")
             if plan is None:  # resumed from the ledger: verified again here, not planned on its word
-                plan = _verified_plan(kernel, b, r.shape, r.dtype, device)
+                from kernelsearch.harness.verify import verified_plan
+
+                plan, _ = verified_plan(kernel, b["source_path"], r.shape, r.dtype, b["params"], device,
+                                        source_hash=b["source_hash"])
             if plan is None:
                 continue
             table.entries.append(Entry.make(
@@ -396,19 +399,6 @@ def _merge_winners(table, kernel: str, fingerprint: dict, fingerprint_id: str,
     table.data.update(fingerprint_id=fingerprint_id, fingerprint=fingerprint,
                       triton=triton.__version__, torch=torch.__version__, updated_at=time.time())
     return table
-
-
-def _verified_plan(kernel: str, best: dict, shape: dict, dtype: str, device: str) -> dict | None:
-    """The launch plan of a winner resumed from the ledger, from this host's harness (every
-    guard, not timed), or None when it is rejected. A ledger row's `accepted` is not proof: the
-    rows of a `share import` bundle are stored as given, and a row saying a config that fails
-    the checks was accepted would otherwise put that kernel in the table."""
-    from kernelsearch.harness.verify import evaluate
-
-    verdict = evaluate(kernel, best["source_path"], dict(best["params"]), device=device, shapes=[shape],
-                       dtype=dtype, time_it=False, source_hash=best["source_hash"])
-    plans = [sr.plan for sr in verdict.shapes if not sr.random and sr.plan]
-    return plans[0] if verdict.accepted and plans else None
 
 
 def search(kernel: str, *, state_dir, strategy: str = "grid", budget=32, device: str = "cpu",

@@ -12,7 +12,7 @@ largest harness time first), the alternatives are:
   - up to `top` other configs of the entry's own source (same source hash) that the ledger holds
     as accepted on this fingerprint at this shape, kept against stock by the harness's keep rule,
     and within `within` of the entry's harness time (their launch plans made again by the
-    sandbox, as a search resumed from the ledger makes them);
+    harness, every guard but not timed, as for a winner a search resumes from the ledger);
   - stock: the entry removed, so that the step runs what it runs without it (for a fused kernel,
     the unfused calls and their own entries).
 The step is built once per table (`make_step(table) -> fn`, fn() runs one step and returns its
@@ -187,14 +187,17 @@ def _source_path(entry: Entry):
 
 
 def _alternative_entry(entry: Entry, row: dict, device: str) -> tuple[Entry | None, str | None]:
-    from kernelsearch.harness.verify import make_plan
+    from kernelsearch.harness.verify import verified_plan
 
     path = _source_path(entry)
     if path is None:
         return None, "source not found"
-    plan = make_plan(entry.kernel, path, _dims(entry.shape), entry.dtype, row["params"], device)
+    # verified here, not planned on the row's word: a ledger row's `accepted` is no proof (a
+    # bundle's rows are stored as given), and what is timed in the step runs unchecked on the GPU
+    plan, why = verified_plan(entry.kernel, path, _dims(entry.shape), entry.dtype, row["params"], device,
+                              source_hash=entry.source_hash)
     if plan is None:
-        return None, "no launch plan from the sandbox"
+        return None, why
     speedup = row["stock_ms"] / row["candidate_ms"]
     try:
         alt = entry.replace(params=row["params"], plan=plan, candidate_ms=row["candidate_ms"],

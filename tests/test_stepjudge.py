@@ -52,15 +52,18 @@ def row(params, candidate_ms, stock_ms=0.0200, shape=SHAPE, accepted=True, sourc
 
 @pytest.fixture
 def plans(monkeypatch):
-    """The sandbox's launch plan for a ledger config (a real one needs the template's source)."""
+    """The harness's verified launch plan for a ledger config (a real one needs the template's
+    source; test_a_ledger_row_the_harness_rejects_is_never_run_in_the_step verifies for real)."""
     import kernelsearch.harness.verify as verify
 
     made = []
 
-    def make_plan(kernel, source_path, shape, dtype, params, device):
+    def verified_plan(kernel, source_path, shape, dtype, params, device, source_hash=None):
         made.append(dict(params))
-        return None if params.get("no_plan") else {"steps": [{"op": "launch", "params": dict(params)}]}
-    monkeypatch.setattr(verify, "make_plan", make_plan)
+        if params.get("no_plan"):
+            return None, "rejected by this host's correctness check: wrong"
+        return {"steps": [{"op": "launch", "params": dict(params)}]}, None
+    monkeypatch.setattr(verify, "verified_plan", verified_plan)
     return made
 
 
@@ -183,7 +186,7 @@ def test_an_alternative_whose_step_fails_its_check_or_has_no_plan_is_never_chose
     assert d.outcome == "kept"
     problems = {a.label: a.problem for a in d.alternatives}
     assert problems['{"tile":"swapab"}'] == "step check: logits differ"
-    assert problems['{"no_plan":1,"tile":"np"}'] == "no launch plan from the sandbox"
+    assert problems['{"no_plan":1,"tile":"np"}'] == "rejected by this host's correctness check: wrong"
     assert all(not a.step_ms for a in d.alternatives if a.problem)
 
 
@@ -564,3 +567,51 @@ def test_the_judge_at_a_models_own_cache_judges_each_shape_and_names_one_that_fa
     assert [(k, s, p) for k, s, p, _ in seen] == [("2x16 (cache 16)", 16, [15, 15]), ("1x40 (cache 40)", 40, [39])]
     assert doc["step_judge"]["3x16 (cache 16)"]["status"].startswith("error: OutOfMemoryError: CUDA out of memory")
     assert list(doc["step_judge"]) == ["2x16 (cache 16)", "3x16 (cache 16)", "1x40 (cache 40)"]
+
+
+SLOPPY_RMSNORM = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK_N: tl.constexpr, SLOPPY: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    if SLOPPY:
+        inv = inv * 1.5
+    tl.store(out_ptr + row * n_cols + cols, (x * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+CONFIGS = [{"num_warps": 4, "SLOPPY": 0}]
+SPACE = {"num_warps": [4], "SLOPPY": [0, 1]}
+
+
+def launch(x, weight, eps, out, num_warps=4, SLOPPY=0):
+    m, n = x.shape
+    _row[(m,)](x, weight, out, n, eps, BLOCK_N=triton.next_power_of_2(n), SLOPPY=SLOPPY, num_warps=num_warps)
+'''
+
+
+def test_a_ledger_row_the_harness_rejects_is_never_an_alternative(tmp_path):
+    """The judge made its alternatives' plans on a ledger row's word (`accepted`), and a bundle's
+    rows are stored as given: a config that fails the harness's checks was timed in the step (on
+    the GPU, unchecked) and could replace the entry. Each is verified by this host's harness first."""
+    from kernelsearch.entry import file_sha256
+
+    src = tmp_path / "sloppy_rmsnorm.py"
+    src.write_text(SLOPPY_RMSNORM)
+    shape = {"M": 4, "N": 100}
+    cur = Entry.make(kernel="rmsnorm", dtype="float32", shape=shape, source={"path": str(src)},
+                     source_hash=file_sha256(src), params={"num_warps": 4, "SLOPPY": 0}, plan={"steps": []},
+                     candidate_ms=0.01, stock_ms=0.02, speedup=2.0, against="torch", noise_band=0.01)
+    forged = {"params": {"num_warps": 4, "SLOPPY": 1}, "candidate_ms": 0.005, "stock_ms": 0.02, "noise_band": 0.01}
+    alt, problem = stepjudge._alternative_entry(cur, forged, "cpu")
+    assert alt is None and problem.startswith("rejected by this host's correctness check"), problem
+    honest = dict(forged, params={"num_warps": 4, "SLOPPY": 0})
+    alt, problem = stepjudge._alternative_entry(cur, honest, "cpu")
+    assert problem is None and alt.plan["steps"], problem

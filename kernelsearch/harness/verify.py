@@ -354,6 +354,22 @@ def evaluate(kernel: str, source_path, params: dict | None = None, device: str =
     return s.evaluate(params, time_it)
 
 
+def verified_plan(kernel: str, source_path, shape: dict, dtype: str, params: dict, device: str,
+                  source_hash: str | None = None) -> tuple[dict | None, str | None]:
+    """(the launch plan of `params` at one shape as this host's harness verifies it: every guard,
+    not timed; None) or (None, why it was refused). For a config known only from a ledger row (a
+    winner a search resumes, the step judge's alternatives): a row's `accepted` is no proof, since
+    `share import` stores a bundle's rows as given."""
+    dims = {k: v for k, v in shape.items() if k != "dtype"}
+    v = evaluate(kernel, source_path, dict(params), device=device, shapes=[dims], dtype=dtype,
+                 time_it=False, source_hash=source_hash)
+    plans = [sr.plan for sr in v.shapes if not sr.random and sr.plan]
+    if v.accepted and plans:
+        return plans[0], None
+    return None, (f"rejected by this host's {v.guard} check: {v.reason}"[:300] if not v.accepted
+                  else "no launch plan from the harness")
+
+
 def make_plan(kernel: str, source_path, shape: dict, dtype: str, params: dict, device: str) -> dict | None:
     """The launch plan of `params` at one shape, from one sandbox run (None on any failure)."""
     spec = SPECS[kernel]
