@@ -235,23 +235,12 @@ class DispatchTable:
     def save(self, path) -> Path:
         path = Path(path)
         text = json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n"
-        tmp = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # A private temporary name: two writers never share (and tear) one temporary file.
-            fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException as exc:
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
-            if isinstance(exc, OSError):
-                raise TableWriteError(f"{path}: cannot be written ({exc.strerror or exc}); "
-                                      "the table is as it was") from None
-            raise
+            write_whole(path, text)
+        except OSError as exc:
+            raise TableWriteError(f"{path}: cannot be written ({exc.strerror or exc}); "
+                                  "the table is as it was") from None
         return path
 
     @staticmethod
@@ -274,6 +263,24 @@ class DispatchTable:
                 raise TableError(f"{lock_path}: the table's lock is not a regular file")
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield DispatchTable.load(path) if path.exists() else DispatchTable.empty()
+
+
+def write_whole(path: Path, text: str, mode: int | None = None) -> None:
+    """`text` into a temporary beside `path` (a private name: two writers never share, and tear,
+    one), fsynced, then renamed over `path`: the file holds all of it or what it held before.
+    `mode` for the result (mkstemp's 0600 otherwise). Errors are raised; the temporary is gone."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _read_trusted(path: Path) -> bytes:

@@ -47,7 +47,8 @@ def _write_whole(path: Path, text: str) -> None:
     left a truncated bundle, an earlier one at that name lost. Anything else (/dev/stdout, a
     FIFO) is written as it is."""
     import stat
-    import tempfile
+
+    from kernelsearch.dispatch import write_whole
 
     try:
         regular = stat.S_ISREG(os.stat(path).st_mode)
@@ -56,17 +57,7 @@ def _write_whole(path: Path, text: str) -> None:
     if not regular:
         path.write_text(text)
         return
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_whole(path, text, mode=0o644)
 
 
 MAX_BUNDLE_BYTES = 256 << 20   # a bundle is read whole: ledger rows and kernel sources, far less
