@@ -154,6 +154,23 @@ def test_sim_set_refuses_an_unknown_key_or_a_wrong_type_and_writes_nothing(tmp_p
     assert sim.read_bytes() == before
 
 
+@pytest.mark.parametrize("assignment,first", [
+    ("gpus.0.power_limit_w=NaN", "hwtune sim: simulated host"),
+    ("gpus.0.power_limit_w=Infinity", "hwtune sim: simulated host"),
+    ("gpus.0.power_limit_w=-5", "hwtune sim: simulated host"),
+    ("write_delay_ms=-1", "hwtune sim: simulated host"),
+    ('faults=[{"op": "set_power_limit", "gpu": NaN}]', "hwtune sim: simulated host"),
+])
+def test_sim_set_refuses_a_value_no_command_could_read_back_and_writes_nothing(tmp_path, assignment, first):
+    # NaN, Infinity (JSON only Python reads) and a negative limit or delay were written, exit 0;
+    # every later command then refused the file (exit 2) until `sim init --force`.
+    sim = make_sim(tmp_path)
+    before = sim.read_bytes()
+    one_line(run_hwtune("sim", "set", sim, assignment), first)
+    assert sim.read_bytes() == before
+    run_hwtune("--sim", sim, "status", check=True)
+
+
 def test_sim_set_still_takes_values_of_the_right_type(tmp_path):
     sim = make_sim(tmp_path)
     run_hwtune("sim", "set", sim, "gpus.1.telemetry.temperature_c=95", "gpus.0.locked_sm_clocks_mhz=[1410, 1980]",

@@ -53,7 +53,7 @@ def _parse_value(text: str):
 
 def run_sim(args, ctx) -> int:
     from hwtune.backends import write_json_atomic
-    from hwtune.backends.sim import SimFile, new_host, set_dotted
+    from hwtune.backends.sim import SimFile, check_host, new_host, set_dotted
 
     if args.sim_command == "init":
         from daemon.context import ensure_writable_dir
@@ -93,6 +93,14 @@ def run_sim(args, ctx) -> int:
         def change(data):
             for key, value, raw in pairs:
                 set_dotted(data, key, value, raw)
+            # the file as every command will read it: a negative limit, NaN or Infinity (JSON
+            # only Python reads) made each later command refuse it
+            check_host(data, str(args.file))
+            try:
+                json.dumps(data, allow_nan=False)
+            except ValueError:
+                raise UsageError(f"simulated host {args.file}: NaN or Infinity is not a number; "
+                                 "nothing was written") from None
         sim.check_writable()
         sim.update(change)
         if args.json:
