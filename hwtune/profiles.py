@@ -12,6 +12,7 @@ judge (power limit constraints, supported clocks, offered governors) are checked
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -324,6 +325,14 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _finite(v) -> bool:
+    """A number float() can hold (10**400 overflows it) that is not NaN or infinite."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
 def _check(section: str, key: str, v, fail):
     dotted = f"{section}.{key}"
     if key in ("persistence_mode", "relaxed_ordering", "verify_tls", "allow_insecure_http"):
@@ -344,7 +353,7 @@ def _check(section: str, key: str, v, fail):
             if isinstance(v, str) and v.endswith("%") and not 0 < float(v[:-1]) <= 100:
                 raise fail(dotted, f"{v}: a percentage of the default limit must be in 1..100%")
             return v
-        if not _is_num(v) or v <= 0:
+        if not _is_num(v) or not _finite(v) or v <= 0:
             raise fail(dotted, f"must be watts (a number), max, default or a percentage like \"80%\"; got {v!r}",
                        _hint(v, ("max", "default")) if isinstance(v, str) else None)
         return v

@@ -78,6 +78,10 @@ BAD = {
     "power_outside_constraints": ({"p": "gpu:\n  select: all\n  power_limit_w: 900\n"}, 3, "gpu.power_limit_w",
                                   ["gpu0 power_limit_w=900", "outside 200..700"]),
     "percent_outside_constraints": ({"p": "gpu:\n  power_limit_w: 10%\n"}, 2, "gpu.power_limit_w", ["outside 200..700"]),
+    # 10**400 W: float() of it was an OverflowError traceback at plan time (exit 1)
+    "power_too_large": ({"p": "gpu:\n  power_limit_w: 1" + "0" * 400 + "\n"}, 2, "gpu.power_limit_w",
+                        ["must be watts"]),
+    "power_nan": ({"p": "gpu:\n  power_limit_w: .nan\n"}, 2, "gpu.power_limit_w", ["must be watts"]),
     "clock_not_supported": ({"p": "gpu:\n  sm_clock_mhz: [1410, 1981]\n"}, 2, "gpu.sm_clock_mhz",
                             ["1981 MHz", "not a supported clock", "nearest 1965, 1980"]),
     "memory_clock_not_supported": ({"p": "gpu:\n  memory_clock_mhz: [1000, 3201]\n"}, 2, "gpu.memory_clock_mhz",
