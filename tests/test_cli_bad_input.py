@@ -305,6 +305,35 @@ def test_a_simulated_host_this_user_cannot_write_is_refused_before_any_write(tmp
         subprocess.run(["chattr", "-i", str(d)])
 
 
+@pytest.mark.parametrize("kind", ["dangling link", "link to a file", "directory", "fifo"])
+def test_a_simulated_hosts_lock_that_is_no_plain_file_is_refused_and_never_followed(tmp_path, kind):
+    # Before: FILE.lock was opened with open('a+'), following links: root running apply on a
+    # host file in someone else's directory created the link's target (any path) and applied;
+    # a directory or a FIFO there journaled the first change, then failed on the lock.
+    sim = make_sim(tmp_path)
+    lock = tmp_path / "host.json.lock"
+    lock.unlink(missing_ok=True)
+    victim = tmp_path / "victim"
+    if kind == "dangling link":
+        lock.symlink_to(victim)
+    elif kind == "link to a file":
+        victim.write_text("keep\n")
+        lock.symlink_to(victim)
+    elif kind == "directory":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    before = sim.read_bytes()
+    state = tmp_path / "state"
+    for command in (("apply",), ("rollback",), ("sim", "set", sim, "write_delay_ms=3")):
+        args = command if command[0] == "sim" else ("--sim", sim, "--state-dir", state, *command)
+        one_line(run_hwtune(*args), f"hwtune {command[0]}: simulated host {sim}: {lock}")
+    assert sim.read_bytes() == before and not (state / "journal.json").exists()
+    assert (not victim.exists()) if kind == "dangling link" else True
+    if kind == "link to a file":
+        assert victim.read_text() == "keep\n"
+
+
 def test_a_kernel_command_without_the_kernels_extra_says_what_to_install(tmp_path):
     # Before: a ModuleNotFoundError traceback (an install of hwtune without '[kernels]').
     shadow = tmp_path / "site" / "torch"

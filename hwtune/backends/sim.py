@@ -16,11 +16,13 @@ exit 2) naming the key, never a KeyError half way through an apply.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
 import os
 import re
+import stat
 import time
 import uuid
 from contextlib import contextmanager
@@ -310,11 +312,31 @@ class SimFile:
         """UsageError unless this user can write the host: the file, its sidecar lock, and the
         directory the atomic rename writes into (found at the first write, a command had
         already journaled its first change)."""
-        lock = Path(str(self.path) + ".lock")
+        lock = self.lock_path
         for path in (self.path.parent, self.path, lock):
             if path.exists() and not os.access(path, os.W_OK):
                 raise UsageError(f"simulated host {self.path}: {path} is not writable by this user; "
                                  "use a host file of your own (hwtune sim init FILE)")
+        if os.path.lexists(lock):
+            os.close(self._open_lock())
+
+    @property
+    def lock_path(self) -> Path:
+        return Path(str(self.path) + ".lock")
+
+    def _open_lock(self) -> int:
+        """FILE.lock's descriptor: never through a link (root would create or open whatever
+        it names), only a regular file (a directory or a FIFO is no lock)."""
+        lock = self.lock_path
+        try:
+            fd = os.open(str(lock), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            why = "a symbolic link" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+            raise UsageError(f"simulated host {self.path}: {lock}: {why}; refusing to use it as its lock") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UsageError(f"simulated host {self.path}: {lock}: not a regular file; refusing to use it as its lock")
+        return fd
 
     def read_raw(self):
         try:
@@ -339,12 +361,15 @@ class SimFile:
 
     @contextmanager
     def _locked(self):
-        with open(str(self.path) + ".lock", "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        fd = self._open_lock()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 yield
             finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     def update(self, change: Callable[[dict], None]) -> None:
         """Read-modify-write under the sidecar lock, committed by an atomic rename."""
