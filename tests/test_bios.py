@@ -292,3 +292,66 @@ def test_a_loaded_profile_bios_section_builds_a_working_reader(redfish_server, t
     assert bios.username == "admin" and bios.verify_tls is False
     changes = check(dict(profile.bios.expect), bios.attributes())
     assert [(c.knob, c.old, c.new) for c in changes] == [("ProcTurboMode", "Enabled", "Disabled")]
+
+
+def _serve_bios(body: bytes):
+    """A plain HTTP BMC whose Bios resource answers `body`; (endpoint, server)."""
+    import http.server
+    import threading
+
+    docs = {"/redfish/v1": {"@odata.id": "/redfish/v1/", "Id": "RootService", "Name": "Root",
+                            "RedfishVersion": "1.6.0", "UUID": "92384634-2938-2342-8820-489239905423",
+                            "Systems": {"@odata.id": "/redfish/v1/Systems"}},
+            "/redfish/v1/Systems": {"@odata.id": "/redfish/v1/Systems", "Name": "Systems",
+                                    "Members": [{"@odata.id": "/redfish/v1/Systems/1"}]},
+            "/redfish/v1/Systems/1": {"@odata.id": "/redfish/v1/Systems/1", "Id": "1", "Name": "s",
+                                      "Bios": {"@odata.id": "/redfish/v1/Systems/1/Bios"}}}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            path = self.path.rstrip("/")
+            answer = body if path.endswith("/Bios") else json.dumps(docs.get(path, {})).encode()
+            self.send_response(200 if path.endswith("/Bios") or path in docs else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b'{"Deep": [NaN]}'])
+def test_a_bmc_answering_nan_is_not_checked_and_json_output_stays_json(tmp_path, value):
+    # Before: Python's json took the BMC's NaN as a float, so plan/apply/verify --json printed
+    # `"old": NaN` -- not JSON (jq and every strict parser refuse the whole document).
+    from conftest import run_hwtune
+    from fixtures.sysfs_tree import build
+
+    endpoint, server = _serve_bios(b'{"@odata.id": "/redfish/v1/Systems/1/Bios", "Id": "Bios", "Name": "b", '
+                                   b'"Attributes": {"PowerProfile": ' + value + b', "ProcTurboMode": "Enabled"}}')
+    try:
+        build(tmp_path / "sys")
+        prof = tmp_path / "p.yaml"
+        prof.write_text(f"bios:\n  endpoint: {endpoint}\n  expect: {{PowerProfile: MaxPerf}}\n")
+        for command in ("verify", "plan", "apply"):
+            r = run_hwtune("--sysfs-root", tmp_path / "sys", "--state-dir", tmp_path / "s", command, "-p", prof,
+                           "--json", timeout=60)
+            assert "Traceback" not in r.stderr, r.stderr
+            doc = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"{command} --json printed {c}"))
+            assert "NaN or Infinity" in json.dumps(doc), doc
+            if command == "verify":
+                assert r.returncode == 1 and doc["matches"] is False
+    finally:
+        server.shutdown()
+
+
+def test_ilorest_output_holding_nan_is_a_clear_error_not_a_float():
+    from hwtune.backends.vendor import parse_ilorest
+
+    with pytest.raises(BiosError, match="not valid JSON"):
+        parse_ilorest('{"Attributes": {"PowerProfile": NaN}}')

@@ -7,6 +7,7 @@ backends (Redfish here, racadm / ilorest in hwtune.backends.vendor).
 from __future__ import annotations
 
 import difflib
+import json
 import stat
 import threading
 from pathlib import Path
@@ -155,6 +156,11 @@ class RedfishBios:
             raise BiosError(f"redfish {self.endpoint}: the Bios Attributes are not an object")
         if attrs is None:
             raise BiosError(f"redfish {self.endpoint}: the Bios resource carries no Attributes")
+        try:  # Python's json took them as floats; --json output holding them is no JSON
+            json.dumps(attrs, allow_nan=False)
+        except ValueError:
+            raise BiosError(f"redfish {self.endpoint}: the Bios Attributes hold NaN or Infinity, "
+                            "which is not JSON") from None
         return dict(attrs)
 
 

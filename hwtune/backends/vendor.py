@@ -106,6 +106,10 @@ class RacadmBios:
         return attrs
 
 
+def _not_json(word: str):
+    raise ValueError(f"{word} (NaN or Infinity) is not JSON")
+
+
 def parse_ilorest(text: str) -> dict[str, str | int | bool]:
     """Attributes from `ilorest get --json --select Bios.`: a JSON object (or a list of them)
     holding `Attributes`, or the attributes themselves. ilorest may print progress lines
@@ -114,7 +118,8 @@ def parse_ilorest(text: str) -> dict[str, str | int | bool]:
     if not starts:
         raise BiosError("ilorest: no JSON in the output")
     try:
-        data = json.loads(text[min(starts):])
+        # NaN / Infinity are not JSON: taken as floats, they made --json output that is none
+        data = json.loads(text[min(starts):], parse_constant=_not_json)
     except ValueError as exc:
         raise BiosError(f"ilorest: output is not valid JSON: {exc}") from None
     if isinstance(data, list):
