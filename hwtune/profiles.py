@@ -228,19 +228,37 @@ def _find(name: str, base_dir: Path | None, profile_dir) -> Path | None:
     p = Path(name)
     if p.suffix in (".yaml", ".yml") or "/" in name:
         p = p if p.is_absolute() or base_dir is None else base_dir / p
-        return p if p.exists() else (Path(name) if Path(name).exists() else None)
+        for cand in (p, Path(name)):
+            found = _exists(cand)
+            if found is None:
+                return cand  # reading it names why (Permission denied)
+            if found:
+                return cand
+        return None
     dirs = [base_dir] if base_dir is not None else []
     for d in dirs + ([Path(profile_dir)] if profile_dir else []) + [SHIPPED_DIR]:
         cand = d / f"{name}.yaml"
-        if cand.exists():
+        if _exists(cand):  # a profile dir this user cannot look in holds none of its profiles
             return cand
     return None
 
 
+def _exists(path: Path) -> bool | None:
+    """Whether `path` exists; None when it cannot be looked at (a directory this user may not
+    enter, a name too long): Path.exists() raises those as OSError."""
+    try:
+        return path.exists()
+    except OSError:
+        return None
+
+
 def _known_names(profile_dir) -> list:
     names = {p.stem for p in SHIPPED_DIR.glob("*.yaml")}
-    if profile_dir and Path(profile_dir).is_dir():
-        names |= {p.stem for p in Path(profile_dir).glob("*.yaml")}
+    try:
+        if profile_dir and Path(profile_dir).is_dir():
+            names |= {p.stem for p in Path(profile_dir).glob("*.yaml")}
+    except OSError:
+        pass
     return sorted(names)
 
 

@@ -128,6 +128,32 @@ def test_unknown_profile_name_suggests_a_shipped_one(tmp_path):
     assert proc.returncode == 2 and "did you mean 'efficiency'" in proc.stderr
 
 
+def test_a_profile_or_profile_dir_that_cannot_be_looked_at_is_one_line_not_a_traceback(tmp_path, monkeypatch,
+                                                                                           capsys):
+    # Before: Path.exists() raised (Permission denied for a user under a 0700 directory such as
+    # a root-only /etc/hwtune/profiles, File name too long for a long HWTUNE_PROFILE_DIR): an
+    # OSError traceback, exit 1. In process: root enters any directory, so the stat's answer
+    # is what a user would get.
+    from daemon.cli import main
+
+    sim = make_sim(tmp_path)
+    real_exists = profiles.Path.exists
+
+    def exists(self):
+        if str(self).startswith("/root/hwtune-private"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_exists(self)
+
+    monkeypatch.setattr(profiles.Path, "exists", exists)
+    assert main(["--sim", str(sim), "--profile-dir", "/root/hwtune-private/profiles", "plan"]) == 0  # shipped one
+    assert main(["--sim", str(sim), "--profile-dir", "a" * 5000, "plan"]) == 0
+    capsys.readouterr()
+    assert main(["--sim", str(sim), "plan", "-p", "/root/hwtune-private/p.yaml", "--json"]) == 2
+    got = capsys.readouterr()
+    assert got.err.strip().splitlines()[-1].startswith("hwtune plan: /root/hwtune-private/p.yaml: cannot read")
+    assert json.loads(got.out)["exit_code"] == 2
+
+
 def test_a_profile_file_here_without_yaml_suffix_is_pointed_to_as_a_path(tmp_path):
     sim = make_sim(tmp_path)
     (tmp_path / "myprofile").write_text("cpu:\n  governor: performance\n")
