@@ -216,8 +216,10 @@ def name_problem(name) -> str | None:
         return "control characters in the name"
     parts = name.split("/")
     longest = max(len(p.encode()) for p in parts)
-    if longest > MAX_NAME_BYTES or len(name.encode()) > 4096:
+    if longest > MAX_NAME_BYTES:
         return f"a name (or path component) of {longest} bytes; at most {MAX_NAME_BYTES}"
+    if len(name.encode()) > 4096:
+        return f"a path of {len(name.encode())} bytes; at most 4096"
     return None
 
 

@@ -178,6 +178,13 @@ def test_a_profile_name_too_long_for_a_file_is_refused_on_the_command_line(tmp_p
     assert "profile" in line and "at most 255" in line
 
 
+def test_a_profile_path_too_long_is_refused_naming_its_length_not_a_component(tmp_path):
+    # Before: 'a name (or path component) of 6 bytes; at most 255' for a 6006-byte path of short parts
+    sim = make_sim(tmp_path)
+    line = _one_line_error(run_hwtune("--sim", sim, "plan", "-p", "a/" * 3000 + "x.yaml"), 2)
+    assert "a path of 6006 bytes; at most 4096" in line, line
+
+
 def test_a_deeply_nested_profile_is_refused_not_a_recursion_error(tmp_path):
     sim = make_sim(tmp_path)
     prof = tmp_path / "deep.yaml"
