@@ -117,6 +117,21 @@ def test_config_space_truncated_for_non_root_is_reported_clearly(tmp_path):
     assert plan.returncode == 0 and "only 64 bytes" in plan.stderr
 
 
+def test_an_idle_state_latency_of_5000_digits_is_an_unreadable_knob_not_a_traceback(tmp_path):
+    # Before: int() of it raised ValueError (Python's 4300-digit limit): a traceback from
+    # plan, apply and verify, exit 1.
+    root = build(tmp_path / "root")
+    (root / "sys/devices/system/cpu/cpu0/cpuidle/state1/latency").write_text("9" * 5000 + "\n")
+    prof = write_profile(tmp_path, "p", PROFILE)
+    before = snapshot(root)
+    for command in ("plan", "verify", "apply"):
+        proc = _cli(root, tmp_path / "state", command, "-p", prof, "--json")
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert proc.returncode == 1 and "is not a latency" in proc.stderr, proc.stderr
+        json.loads(proc.stdout)
+    assert snapshot(root) == before
+
+
 def test_host_without_cpufreq_or_cpuidle_skips_cpu_knobs_with_a_reason(tmp_path):
     root = build(tmp_path / "root", cpufreq=False, cpuidle=False)
     proc = _cli(root, tmp_path / "state", "plan", "-p", write_profile(tmp_path, "p", PROFILE), "--json", check=True)

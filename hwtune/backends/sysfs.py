@@ -272,7 +272,7 @@ class SysfsCpu:
             for s in sorted((s for s in idle.iterdir() if STATE_NAME.fullmatch(s.name)), key=lambda s: _natural(s.name)):
                 name = read_attr(s / "name").strip() if (s / "name").exists() else s.name
                 latency = read_attr(s / "latency").strip()
-                if not latency.isdigit():
+                if not latency.isdigit() or len(latency) > 12:  # int() refuses 4300+ digits
                     raise HwtuneError(f"cannot read {s / 'latency'}: {latency[:20]!r} is not a latency")
                 out.append({"cpu": d.name, "state": s.name, "name": name, "latency_us": int(latency),
                             "disabled": read_attr(s / "disable").strip() == "1"})
