@@ -3,11 +3,13 @@ composed: PyYAML builds nested nodes recursively and expands aliases, so a file 
 deep or a "billion laughs" of aliases would crash or hang the loader. The event stream is
 read without recursion and refused on the first of: anchors or aliases (neither file needs
 them), nesting deeper than MAX_DEPTH, more than MAX_NODES values, a key that is not a plain
-scalar, a duplicate key. The answer names the line and the dotted key, never the value.
+scalar, a duplicate key, an integer of more than MAX_DIGITS digits (int() refuses 4300 with
+a ValueError). The answer names the line and the dotted key, never the value.
 """
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 import yaml
@@ -15,6 +17,7 @@ import yaml
 MAX_BYTES = 1 << 20
 MAX_DEPTH = 32
 MAX_NODES = 20000
+MAX_DIGITS = 1000  # int() refuses more than 4300; no setting has a tenth of this
 
 
 class Refused(Exception):
@@ -81,6 +84,10 @@ def check(text: str) -> None:
                 raise Refused("anchors (&name) are not allowed here", line, _path(stack))
             top = stack[-1] if stack else None
             key_path = _path(stack)
+            if isinstance(event, yaml.ScalarEvent) and len(event.value) > MAX_DIGITS and _is_int(event):
+                here = key_path if top is None or top[0] != "map" or top[3] else (
+                    f"{top[1]}.{top[4]}" if top[1] else top[4])
+                raise Refused(f"a number of {len(event.value)} digits", line, here or None)
             if top is not None and top[0] == "map":
                 if top[3]:  # this node is a key
                     if not isinstance(event, yaml.ScalarEvent):
@@ -108,6 +115,15 @@ def check(text: str) -> None:
                 raise Refused(f"nested deeper than {MAX_DEPTH} levels", line)
         elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
             stack.pop()
+
+
+_DECIMAL = re.compile(r"[-+]?[0-9][0-9_]*")
+
+
+def _is_int(event) -> bool:
+    """A scalar the loader turns into an int through int(text), which refuses more than 4300
+    decimal digits (a ValueError, not a YAML error): plain, or tagged !!int."""
+    return (event.style is None or event.tag == "tag:yaml.org,2002:int") and _DECIMAL.fullmatch(event.value) is not None
 
 
 def _path(stack: list) -> str:

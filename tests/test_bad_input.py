@@ -143,8 +143,11 @@ BILLION_LAUGHS = "\n".join(
     ("profile: " + "x" * 300 + "\n", "profile: a name of 300 bytes"),
     ("profile: " + "é" * 200 + "\n", "profile: a name of 400 bytes"),
     ("profile: [" + ", ".join(["1"] * 5000) + "]\n", "profile: expected a profile name or path, got a list of 5000"),
+    # int() refuses more than 4300 digits: a ValueError traceback from PyYAML's constructor
+    ("poll_interval_s: " + "9" * 5000 + "\n", "poll_interval_s: a number of 5000 digits"),
+    ("poll_interval_s: !!int '" + "9" * 5000 + "'\n", "poll_interval_s: a number of 5000 digits"),
 ], ids=["billion-laughs", "deep-list", "deep-map", "duplicate-profile", "duplicate-port", "agent-user",
-        "long-profile", "long-utf8-profile", "huge-value"])
+        "long-profile", "long-utf8-profile", "huge-value", "5000-digits", "5000-digits-tagged"])
 def test_a_hostile_config_is_answered_within_a_second_naming_the_key(tmp_path, text, key):
     sim = make_sim(tmp_path)
     before = sim.read_bytes()
@@ -191,6 +194,21 @@ def test_a_deeply_nested_profile_is_refused_not_a_recursion_error(tmp_path):
     prof.write_text("gpu: " + "[" * 20000 + "]" * 20000 + "\n")
     line = _one_line_error(run_hwtune("--sim", sim, "plan", "-p", prof), 2)
     assert "nested deeper" in line
+
+
+def test_a_profile_or_credentials_file_with_a_5000_digit_number_is_one_line(tmp_path):
+    # Before: a ValueError traceback (Python's 4300-digit int limit) from PyYAML's constructor.
+    sim = make_sim(tmp_path)
+    prof = tmp_path / "big.yaml"
+    prof.write_text("gpu:\n  power_limit_w: " + "9" * 5000 + "\n")
+    line = _one_line_error(run_hwtune("--sim", sim, "plan", "-p", prof), 2)
+    assert "gpu.power_limit_w: a number of 5000 digits" in line and len(line) < 400, line
+    creds = tmp_path / "bmc.yaml"
+    creds.write_text("username: admin\npassword: " + "9" * 5000 + "\n")
+    creds.chmod(0o600)
+    prof.write_text(f"bios:\n  endpoint: https://127.0.0.1:1\n  credentials_file: {creds}\n")
+    line = _one_line_error(run_hwtune("--sysfs-root", tmp_path, "--state-dir", tmp_path / "s", "plan", "-p", prof), 2)
+    assert "bios.credentials_file" in line and "a number of 5000 digits" in line and "99999" not in line, line
 
 
 @pytest.mark.parametrize("how", ["fifo", "device", "include-device", "not-utf8"])
