@@ -84,10 +84,12 @@ def check(text: str) -> None:
                 raise Refused("anchors (&name) are not allowed here", line, _path(stack))
             top = stack[-1] if stack else None
             key_path = _path(stack)
-            if isinstance(event, yaml.ScalarEvent) and len(event.value) > MAX_DIGITS and _is_int(event):
-                here = key_path if top is None or top[0] != "map" or top[3] else (
-                    f"{top[1]}.{top[4]}" if top[1] else top[4])
-                raise Refused(f"a number of {len(event.value)} digits", line, here or None)
+            if isinstance(event, yaml.ScalarEvent):
+                problem = _scalar_problem(event)
+                if problem is not None:
+                    here = key_path if top is None or top[0] != "map" or top[3] else (
+                        f"{top[1]}.{top[4]}" if top[1] else top[4])
+                    raise Refused(problem, line, here or None)
             if top is not None and top[0] == "map":
                 if top[3]:  # this node is a key
                     if not isinstance(event, yaml.ScalarEvent):
@@ -124,6 +126,32 @@ def _is_int(event) -> bool:
     """A scalar the loader turns into an int through int(text), which refuses more than 4300
     decimal digits (a ValueError, not a YAML error): plain, or tagged !!int."""
     return (event.style is None or event.tag == "tag:yaml.org,2002:int") and _DECIMAL.fullmatch(event.value) is not None
+
+
+_RESOLVER = yaml.resolver.Resolver()
+_STR = "tag:yaml.org,2002:str"
+
+
+def _scalar_problem(event) -> str | None:
+    """Why the loader could not build this scalar, found here: PyYAML's constructors raise
+    ValueError (2023-02-30, !!float abc), KeyError (!!bool maybe) or AttributeError, not a
+    YAMLError, and a tag it has no constructor for (!!python/...) is a ConstructorError. The
+    value itself is never named (it may be a password)."""
+    if len(event.value) > MAX_DIGITS and _is_int(event):
+        return f"a number of {len(event.value)} digits"
+    tag = event.tag
+    if tag is None or tag == "!":
+        tag = _RESOLVER.resolve(yaml.ScalarNode, event.value, event.implicit)
+    if tag == _STR:
+        return None
+    if tag not in yaml.constructor.SafeConstructor.yaml_constructors:
+        return f"unsupported tag {tag.replace('tag:yaml.org,2002:', '!!')[:60]}"
+    node = yaml.ScalarNode(tag, event.value, event.start_mark, event.end_mark, event.style)
+    try:
+        yaml.constructor.SafeConstructor().construct_object(node)
+    except Exception:
+        return f"not a valid {tag.rsplit(':', 1)[-1][:40]}"
+    return None
 
 
 def _path(stack: list) -> str:

@@ -146,8 +146,13 @@ BILLION_LAUGHS = "\n".join(
     # int() refuses more than 4300 digits: a ValueError traceback from PyYAML's constructor
     ("poll_interval_s: " + "9" * 5000 + "\n", "poll_interval_s: a number of 5000 digits"),
     ("poll_interval_s: !!int '" + "9" * 5000 + "'\n", "poll_interval_s: a number of 5000 digits"),
+    # PyYAML's constructors raise ValueError / KeyError / AttributeError, not YAMLError
+    ("poll_interval_s: 2023-02-30\n", "poll_interval_s: not a valid timestamp"),
+    ("rollback: !!bool maybe\n", "rollback: not a valid bool"),
+    ("poll_interval_s: !!float abc\n", "poll_interval_s: not a valid float"),
 ], ids=["billion-laughs", "deep-list", "deep-map", "duplicate-profile", "duplicate-port", "agent-user",
-        "long-profile", "long-utf8-profile", "huge-value", "5000-digits", "5000-digits-tagged"])
+        "long-profile", "long-utf8-profile", "huge-value", "5000-digits", "5000-digits-tagged", "bad-date",
+        "bad-bool-tag", "bad-float-tag"])
 def test_a_hostile_config_is_answered_within_a_second_naming_the_key(tmp_path, text, key):
     sim = make_sim(tmp_path)
     before = sim.read_bytes()
@@ -209,6 +214,27 @@ def test_a_profile_or_credentials_file_with_a_5000_digit_number_is_one_line(tmp_
     prof.write_text(f"bios:\n  endpoint: https://127.0.0.1:1\n  credentials_file: {creds}\n")
     line = _one_line_error(run_hwtune("--sysfs-root", tmp_path, "--state-dir", tmp_path / "s", "plan", "-p", prof), 2)
     assert "bios.credentials_file" in line and "a number of 5000 digits" in line and "99999" not in line, line
+
+
+@pytest.mark.parametrize("value,why", [
+    ("2023-02-30", "not a valid timestamp"), ("!!float abc", "not a valid float"), ("!!bool maybe", "not a valid bool"),
+    ("!!int abc", "not a valid int"), ("!!timestamp x", "not a valid timestamp"),
+    ("!!python/name:os.system", "unsupported tag"),
+])
+def test_a_yaml_value_its_constructor_cannot_build_is_one_line(tmp_path, value, why):
+    # Before: tracebacks (ValueError: day is out of range for month, KeyError: 'maybe',
+    # ConstructorError for a python/ tag) from the profile loader and the credentials file.
+    sim = make_sim(tmp_path)
+    prof = tmp_path / "p.yaml"
+    prof.write_text(f"description: {value}\ngpu:\n  power_limit_w: 500\n")
+    line = _one_line_error(run_hwtune("--sim", sim, "plan", "-p", prof), 2)
+    assert f"{prof}:1: description: {why}" in line, line
+    creds = tmp_path / "bmc.yaml"
+    creds.write_text(f"username: admin\npassword: {value}\n")
+    creds.chmod(0o600)
+    prof.write_text(f"bios:\n  endpoint: https://127.0.0.1:1\n  credentials_file: {creds}\n")
+    line = _one_line_error(run_hwtune("--sysfs-root", tmp_path, "--state-dir", tmp_path / "s", "plan", "-p", prof), 2)
+    assert "bios.credentials_file" in line and why in line, line
 
 
 @pytest.mark.parametrize("how", ["fifo", "device", "include-device", "not-utf8"])
