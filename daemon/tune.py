@@ -347,6 +347,12 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
         guard = Guard(host, gpus, config.thermal.max_temperature_c, config.restore_on, log, marker)
         applier = hwloop.HostApplier(host, state_dir, gpus, space.sm_clock_min_mhz, log=lambda s: None)
         baseline = applier.baseline()
+        for i in gpus[1:]:   # each point, and the restore, sets every selected GPU alike
+            other = applier.baseline_of(i)
+            if other != baseline:
+                raise UsageError(f"gpu{i} starts from {other.label()}, gpu{gpus[0]} from {baseline.label()}: a tune "
+                                 "sets every GPU alike and would put them all back at the latter; tune them "
+                                 "one at a time (--gpus N) or give them one setting first; nothing was written")
         report["baseline"] = baseline.to_json()
         # what to put back should this process die at a trial point (dead_tune_restorer)
         marker.extra.update(baseline=baseline.to_json(), gpus=list(gpus), sm_clock_min_mhz=space.sm_clock_min_mhz)

@@ -357,7 +357,11 @@ class HostApplier:
         [space min, max] instead of a profile's [1410, 1785] would leave drift behind). A lock
         NVML cannot read back ("unknown") counts as unlocked: the knob restores locked clocks by
         reset anyway."""
-        i = self.gpus[0]
+        return self.baseline_of(self.gpus[0])
+
+    def baseline_of(self, i: int) -> Point:
+        """baseline() of GPU i: a point applies to every selected GPU, so the tune checks
+        that they all start from the same one (restoring the first one's to all would be wrong)."""
         w = int(round(self.host.gpus.get_power_limit_w(i)))
         lock = self.host.gpus.get_locked_sm_clocks_mhz(i)
         if not isinstance(lock, (tuple, list)):

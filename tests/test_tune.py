@@ -49,6 +49,24 @@ def test_restore_leaves_the_host_as_it_started(host):
     assert host.status() == host.original
 
 
+def test_gpus_that_start_from_different_settings_are_refused_not_restored_to_the_first_ones(host):
+    # Before: the baseline was read from the first selected GPU only, and --restore (or an
+    # abort) put every GPU back at it: gpu1, at 500 W with SM locked to 1410-1785 MHz, was left
+    # at 700 W unlocked while the tune said 'left at: ... (the starting settings)'.
+    run_hwtune("sim", "set", host.sim, "gpus.1.power_limit_w=500", "gpus.1.locked_sm_clocks_mhz=[1410, 1785]",
+               check=True)
+    before = host.sim.read_bytes()
+    r, _ = tune(host, "--restore", "--no-kernels", "--budget", "4", check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "gpu1 starts from 500 W, SM 1410-1785 MHz" in r.stderr and "--gpus" in r.stderr, r.stderr
+    assert json.loads(r.stdout)["exit_code"] == 2
+    assert host.sim.read_bytes() == before and not (host.state / "journal.json").exists()
+    _, report = tune(host, "--restore", "--no-kernels", "--budget", "4", "--gpus", "1")
+    assert report["kept"] == report["baseline"] == {"power_limit_w": 500, "sm_clock_max_mhz": 1785,
+                                                    "sm_clock_min_mhz": 1410}
+    assert host.gpu(1)["power_limit_w"] == 500 and host.gpu(1)["locked_sm_clocks_mhz"] == [1410, 1785]
+
+
 def test_read_only_tune_writes_nothing_and_says_what_it_would_keep(host):
     before = host.sim.read_bytes()
     r = run_hwtune("--sim", host.sim, "--read-only", "tune", "--json", "--no-kernels", check=True)
