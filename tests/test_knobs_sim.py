@@ -130,6 +130,21 @@ def test_no_permission_skips_that_gpu_whole_and_applies_the_rest(tmp_path):
     assert status_json(sim) == original
 
 
+def test_a_gpu_that_reports_no_supported_clocks_gets_no_clock_lock(tmp_path):
+    # Before: an empty supported list skipped the check, so [1755, 1980] was planned and
+    # written to a GPU that reports no clock it supports (NVML answers NotSupported with none).
+    sim = make_sim(tmp_path)
+    run_hwtune("sim", "set", sim, "gpus.1.supported_sm_clocks_mhz=[]", check=True)
+    plan = json.loads(run_hwtune("--sim", sim, "plan", "-p", "throughput", "--json", check=True).stdout)
+    assert not [c for c in plan["changes"] if c["target"] == "gpu1" and c["knob"] == "sm_clock_mhz"]
+    assert any("gpu1" in s and "sm_clock_mhz" in s and "no supported clocks" in s for s in plan["skipped"]), plan
+    verify = run_hwtune("--sim", sim, "verify", "-p", "throughput", "--json")
+    assert verify.returncode == 1 and json.loads(verify.stdout)["matches"] is False
+    run_hwtune("--sim", sim, "apply", "-p", "throughput", check=True)
+    assert status_json(sim)["gpus"][1]["sm_clock_mhz"] == "reset"
+    assert status_json(sim)["gpus"][0]["sm_clock_mhz"] == [1755, 1980]
+
+
 def test_sim_set_injects_telemetry_and_status_reports_it(tmp_path):
     sim = make_sim(tmp_path)
     run_hwtune("sim", "set", sim, "gpus.1.telemetry.temperature_c=95", "gpus.1.telemetry.xid_errors=2", check=True)

@@ -101,8 +101,11 @@ class GpuClocksKnob(Knob):
             if lo > hi:
                 raise BadValue(f"gpu.{field}", f"{target} {field}=[{lo}, {hi}]: min {lo} > max {hi}")
             supported = supported_fn(i)
+            if not supported:  # nothing to check a lock against: never written unchecked
+                from hwtune.errors import KnobUnavailable
+                raise KnobUnavailable(target, field, "NotSupported (the GPU reports no supported clocks)")
             for clock in (lo, hi):
-                if supported and clock not in supported:
+                if clock not in supported:
                     near = sorted(supported, key=lambda c: abs(c - clock))[:2]
                     raise BadValue(f"gpu.{field}",
                                    f"{target} {field}={clock} MHz: not a supported clock "
