@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -173,13 +175,29 @@ def _read_text(path: Path) -> str:
     not UTF-8 are one line, not a traceback."""
     file = str(path)
     try:
-        raw, _ = yamlguard.read_input(path)
+        raw, st = yamlguard.read_input(path)
     except yamlguard.Unreadable as exc:
         raise ProfileError(exc.problem, file) from None
+    _check_trusted(path, st)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ProfileError(f"not UTF-8 text (byte {exc.start})", file) from None
+
+
+def _check_trusted(path: Path, st) -> None:
+    """As root, a profile (or an include) must be root's and writable by nobody else, as the
+    service config is: it chooses root's writes, and the BMC endpoint root sends
+    bios.credentials_file's password to. The shipped profiles are part of the code itself."""
+    if os.geteuid() != 0 or SHIPPED_DIR in Path(os.path.abspath(path)).parents:
+        return
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != 0:
+        raise ProfileError(f"owned by uid {st.st_uid}, not root: a profile drives root's writes; refusing it "
+                           f"(chown root {path})", str(path))
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ProfileError(f"mode {mode:04o} lets other users write it: a profile drives root's writes; refusing "
+                           f"it (chmod go-w {path})", str(path))
 
 
 def _parse(path: Path, marks: dict) -> dict:

@@ -154,6 +154,35 @@ def test_a_profile_or_profile_dir_that_cannot_be_looked_at_is_one_line_not_a_tra
     assert json.loads(got.out)["exit_code"] == 2
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the rule holds for root")
+@pytest.mark.parametrize("how", ["other-owner", "world-writable", "group-writable", "included"])
+def test_root_refuses_a_profile_another_user_could_have_written(tmp_path, how):
+    # Before: root applied any profile file, as the config file is not: one another user can
+    # write chose root's writes and the BMC endpoint root sends bios.credentials_file's password to.
+    sim = make_sim(tmp_path)
+    before = sim.read_bytes()
+    theirs = write_profile(tmp_path, "theirs", "gpu:\n  power_limit_w: 300\n")
+    main = theirs
+    if how == "other-owner":
+        os.chown(theirs, 65534, 65534)
+    elif how == "world-writable":
+        theirs.chmod(0o666)
+    elif how == "group-writable":
+        theirs.chmod(0o664)
+    else:
+        os.chown(theirs, 65534, 65534)
+        main = write_profile(tmp_path, "mine", "include: [theirs]\n")
+    for command in ("plan", "apply", "verify"):
+        proc = run_hwtune("--sim", sim, command, "-p", main)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"{theirs}: " in proc.stderr and ("owned by uid 65534" in proc.stderr or "lets other users write" in
+                                                 proc.stderr), proc.stderr
+    assert sim.read_bytes() == before
+    theirs.chmod(0o644)
+    os.chown(theirs, 0, 0)
+    assert run_hwtune("--sim", sim, "plan", "-p", main).returncode == 0
+
+
 def test_a_profile_file_here_without_yaml_suffix_is_pointed_to_as_a_path(tmp_path):
     sim = make_sim(tmp_path)
     (tmp_path / "myprofile").write_text("cpu:\n  governor: performance\n")
