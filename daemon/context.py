@@ -24,8 +24,9 @@ def default_state_dir(sim_path: str | None) -> Path:
     # the real host's state.
     if sim_path:
         return Path(str(sim_path) + ".state")
-    if os.environ.get("STATE_DIRECTORY"):  # systemd StateDirectory=
-        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+    first = (os.environ.get("STATE_DIRECTORY") or "").split(":")[0].strip()
+    if first:  # systemd StateDirectory= (an empty first path is unset, not the current directory)
+        return Path(first)
     if os.geteuid() == 0:
         return Path("/var/lib/hwtune")
     return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local/state")) / "hwtune"

@@ -468,3 +468,15 @@ def test_an_empty_environment_variable_is_unset_not_the_current_directory(monkey
     monkeypatch.setenv("HWTUNE_PROFILE_DIR", "")
     ctx = Context.from_args(build_parser().parse_args(["status"]))
     assert str(ctx.sysfs_root) == "/" and str(ctx.profile_dir) == str(DEFAULT_PROFILE_DIR)
+
+
+@pytest.mark.parametrize("value", [":", ":/var/lib/other", " "])
+def test_a_state_directory_variable_with_an_empty_first_path_is_not_the_current_directory(monkeypatch, value):
+    # Before: STATE_DIRECTORY=':...' gave Path('') (the first of its ':'-separated paths): the
+    # journal and lock went wherever the command ran.
+    from daemon.context import default_state_dir
+
+    monkeypatch.setenv("STATE_DIRECTORY", value)
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    got = default_state_dir(None)
+    assert str(got) not in ("", ".", " ") and got.is_absolute(), got
