@@ -455,9 +455,15 @@ def _apply_changes(host, profile, journal: Journal, changes: list, result: Apply
                 if on_signal == "undo" and sig.stop is not None:
                     raise _Stopped(sig.stop)
                 knob = KNOBS[change.family]()
+                original = knob.original(host, target, change.knob)
+                problem = knob.journal_problem(host, target, change.knob, original)
+                if problem is not None and journal.find(target, change.knob) is None:
+                    # an original rollback would refuse (900 W outside 200..700 W): never changed
+                    raise KnobUnavailable(target, change.knob, f"NotSupported (rollback could not put it back: "
+                                                               f"{problem})")
                 before = _undo_value(knob, host, target, change.knob)
                 current = (change, before)
-                if journal.record(target, change.family, change.knob, knob.original(host, target, change.knob)):
+                if journal.record(target, change.family, change.knob, original):
                     target_added.append((target, change.knob))
                 faults.hit("device.write")
                 knob.write(host, target, change.knob, change.new)

@@ -145,6 +145,25 @@ def test_a_gpu_that_reports_no_supported_clocks_gets_no_clock_lock(tmp_path):
     assert status_json(sim)["gpus"][0]["sm_clock_mhz"] == [1755, 1980]
 
 
+def test_a_value_rollback_could_not_put_back_is_never_changed(tmp_path):
+    # Before: gpu0 at 900 W with constraints 200..700 was set to 500 W and its original
+    # journaled; rollback then refused that original (outside the constraints), so the host
+    # could never go back and every later apply was refused (exit 3).
+    sim = make_sim(tmp_path)
+    run_hwtune("sim", "set", sim, "gpus.0.power_limit_w=900", check=True)
+    prof = write_profile(tmp_path, "p", "gpu:\n  persistence_mode: true\n  power_limit_w: 500\n")
+    proc = run_hwtune("--sim", sim, "apply", "-p", prof, "--json")
+    assert proc.returncode == 0, proc.stderr
+    skips = [line for line in proc.stderr.splitlines() if line.startswith("skip gpu0")]
+    assert len(skips) == 1 and "900" in skips[0] and "left as it was" in skips[0], proc.stderr
+    now = status_json(sim)
+    assert now["gpus"][0]["power_limit_w"] == 900 and now["gpus"][0]["persistence_mode"] is False
+    assert now["gpus"][1]["power_limit_w"] == 500
+    run_hwtune("--sim", sim, "rollback", check=True)
+    assert status_json(sim)["gpus"][1]["power_limit_w"] == 700
+    assert not (tmp_path / "host.json.state" / "journal.json").exists()
+
+
 def test_sim_set_injects_telemetry_and_status_reports_it(tmp_path):
     sim = make_sim(tmp_path)
     run_hwtune("sim", "set", sim, "gpus.1.telemetry.temperature_c=95", "gpus.1.telemetry.xid_errors=2", check=True)
