@@ -41,7 +41,16 @@ class MetricsError(HwtuneError):
     """The metrics endpoint could not start, or the dispatch table could not be read."""
 
 
+# Any local user may connect: without a limit every idle connection kept a thread and a
+# descriptor for ever, and enough of them left the daemon no descriptor to read the host,
+# write the journal or restore at stop. A scrape takes milliseconds.
+MAX_CONNECTIONS = 16
+REQUEST_TIMEOUT_S = 10
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = REQUEST_TIMEOUT_S  # per read and write on the connection
+
     # Scrapes every few seconds would otherwise fill the journal with access lines.
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -49,6 +58,29 @@ class _QuietHandler(WSGIRequestHandler):
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # full: closed at once, the scraper retries
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that timed out or went away: not the daemon's error, no traceback
 
 
 class Metrics:

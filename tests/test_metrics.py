@@ -147,3 +147,26 @@ def test_last_tune_with_a_non_numeric_value_is_a_metrics_error_and_sets_nothing(
     text = m.render().decode()
     assert "hwtune_last_tune_timestamp_seconds 0.0" in text
     assert "hwtune_last_tune_objective 0.0" in text
+
+
+def test_idle_connections_cannot_take_a_thread_and_a_descriptor_each(served):
+    # Any local user may connect to 127.0.0.1: a thread and a descriptor per idle connection,
+    # for ever, used up the daemon's file descriptors (the sim file, the journal and the
+    # restore at stop then failed with 'Too many open files').
+    import socket
+    import threading
+    import time
+
+    m, port = served
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(100)]
+    try:
+        time.sleep(0.5)
+        assert threading.active_count() - before <= 32, threading.active_count() - before
+        idle[0].settimeout(30)
+        assert idle[0].recv(1) == b""   # closed by the server: no request within the timeout
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(0.2)
+    assert "hwtune_drifted_knobs{}" in scrape(port)
