@@ -7,6 +7,8 @@ root-controlled host and nobody else needs them unless the owner says so.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import threading
 from pathlib import Path
 from socketserver import ThreadingMixIn
@@ -46,6 +48,7 @@ class MetricsError(HwtuneError):
 # write the journal or restore at stop. A scrape takes milliseconds.
 MAX_CONNECTIONS = 16
 REQUEST_TIMEOUT_S = 10
+MAX_TABLE_BYTES = 64 << 20  # a table is kilobytes; /dev/zero-sized reads are cut here
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -250,9 +253,14 @@ class Metrics:
 
     def load_dispatch_table(self, path: Path | str) -> int:
         try:
-            table = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise MetricsError(f"dispatch table {path}: cannot read: {exc}") from exc
+            # O_NONBLOCK: a FIFO named here would block the daemon's start beyond SIGTERM's reach.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise MetricsError(f"dispatch table {path}: not a regular file")
+                table = json.loads(f.read(MAX_TABLE_BYTES + 1).decode("utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:
+            raise MetricsError(f"dispatch table {path}: cannot read: {type(exc).__name__}: {str(exc)[:200]}") from None
         return self.set_kernel_speedups(table)
 
     # -- exposition ---------------------------------------------------------------------

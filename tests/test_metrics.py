@@ -170,3 +170,33 @@ def test_idle_connections_cannot_take_a_thread_and_a_descriptor_each(served):
             s.close()
     time.sleep(0.2)
     assert "hwtune_drifted_knobs{}" in scrape(port)
+
+
+def test_a_dispatch_table_that_is_a_fifo_or_nested_too_deeply_is_a_metrics_error(tmp_path):
+    # The daemon loads it before READY=1, with its signal handlers in place: opening a FIFO
+    # blocked for ever and SIGTERM could not end it; deep nesting was a RecursionError traceback.
+    import os
+    import threading
+
+    m = Metrics()
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(MetricsError, match="deep.json"):
+        m.load_dispatch_table(deep)
+    fifo = tmp_path / "dispatch.json"
+    os.mkfifo(fifo)
+    errors = []
+
+    def load():
+        try:
+            m.load_dispatch_table(fifo)
+        except MetricsError as exc:
+            errors.append(str(exc))
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(timeout=5)
+    if t.is_alive():  # let the blocked open return before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(timeout=5)
+        pytest.fail("load_dispatch_table blocked on a FIFO")
+    assert errors and "not a regular file" in errors[0]
