@@ -360,14 +360,10 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
 
         def apply_point(point: Point) -> None:
             guard.check()
-            for attempt in range(20):
-                try:
-                    applier(point)
-                    return
-                except LockBusyError:
-                    # The daemon is writing (a re-apply, a restore): wait for it.
-                    time.sleep(0.1 * (attempt + 1))
-            applier(point)
+            _waiting_for_the_lock(applier, point, stop=guard.check)
+
+        def restore(point: Point) -> None:
+            _waiting_for_the_lock(applier, point, on_signal="finish")
 
         def measure(point: Point) -> dict:
             guard.check()
@@ -378,6 +374,7 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
         old_term = signal.signal(signal.SIGTERM, guard.on_sigterm)
         old_hup = signal.signal(signal.SIGHUP, guard.on_sigterm)  # a dropped session: restore, too
         marker.write()
+        keep_marker = False
         t0 = time.monotonic()
         try:
             result = hwloop.search(space, measure, apply_point, objective, opts.budget, "boundary", log)
@@ -392,12 +389,13 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
             # Safety first: after an abort the starting settings come back regardless of --keep;
             # so does a SIGTERM that came after the last check of the search.
             result.aborted = result.aborted or guard.stop_reason
-            kept = hwloop.finish(result, applier, baseline, opts.keep and not result.aborted, log)
+            kept = hwloop.finish(result, lambda p: _waiting_for_the_lock(applier, p), baseline,
+                                 opts.keep and not result.aborted, log)
             if guard.stop_reason and kept != baseline:
                 # Asked to stop while the kept point was written (the signal was held until the
                 # apply was done): put the starting settings back, as after any other stop.
                 result.aborted = guard.stop_reason
-                kept = hwloop.finish(result, lambda p: applier(p, on_signal="finish"), baseline, False, log)
+                kept = hwloop.finish(result, restore, baseline, False, log)
             report["kept"] = kept.to_json()
             report["aborted"] = result.aborted
             # Written before the marker goes: the daemon must learn the kept point before it
@@ -408,17 +406,21 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
             # is held until it is done (on_signal="finish").
             try:
                 hwloop.finish(hwloop.SearchResult("boundary", objective, space, aborted="error"),
-                              lambda p: applier(p, on_signal="finish"), baseline, False, log)
+                              restore, baseline, False, log)
             except Interrupted:
                 pass  # restored; the signal that came meanwhile changes nothing more
             except HwtuneError as exc:
+                # The marker stays: once this process has ended, the daemon (or the next tune)
+                # puts the starting settings back (dead_tune_restorer).
+                keep_marker = True
                 log(f"could not restore {baseline.label()}: {exc}; to restore the settings from before "
                     f"hwtune: {ctx.command('rollback')}")
             raise
         finally:
             signal.signal(signal.SIGTERM, old_term)
             signal.signal(signal.SIGHUP, old_hup)
-            marker.remove()
+            if not keep_marker:
+                marker.remove()
     finally:
         claim.__exit__(None, None, None)
     report["seconds"] = round(time.monotonic() - t0, 2)
@@ -427,6 +429,28 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
         device = "cuda" if not simulated and _has_cuda() else "cpu"
         report["kernels"] = _kernel_phase(ctx, opts, device, kept, baseline, log)
     return report
+
+
+LOCK_WAIT_S = 60  # as the daemon at start: a shell's apply or the daemon's re-apply ends well within
+
+
+def _waiting_for_the_lock(applier, point: Point, on_signal: str = "undo", stop=lambda: None) -> None:
+    """Apply `point`, waiting for another writer (the daemon's re-apply or restore, a shell's
+    `hwtune apply`) to release the lock: a point or a restore given up on 'lock busy' would
+    leave the host at whatever trial point it was at. `stop` may raise to give up waiting (a
+    trial point is not worth waiting for after SIGTERM)."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    attempt = 0
+    while True:
+        try:
+            applier(point, on_signal=on_signal)
+            return
+        except LockBusyError:
+            if time.monotonic() >= deadline:
+                raise
+            stop()
+            attempt += 1
+            time.sleep(min(0.1 * attempt, 1.0))
 
 
 class _Stop(BaseException):

@@ -305,3 +305,40 @@ def test_a_daemon_restarted_during_a_tune_holds_the_point_the_tune_kept(host):
         assert gpu["locked_sm_clocks_mhz"][1] == kept["sm_clock_max_mhz"]
     finally:
         second.close()
+
+
+def test_a_writer_holding_the_lock_as_the_tune_ends_delays_its_restore_instead_of_failing_it(host, monkeypatch):
+    # `hwtune apply` from a shell (or the daemon's re-apply) holding the lock just as the tune
+    # wrote its last point: the restore was tried once, failed 'lock busy', and the tune exited
+    # with the host at its last trial point and no marker left for anyone to put it back.
+    from daemon import tune as tune_mod
+    from daemon.context import Context
+
+    holders = []
+    real_finish = tune_mod.hwloop.finish
+
+    def finish_with_the_lock_held(*args, **kwargs):
+        if not holders:
+            holders.append(subprocess.Popen(
+                [sys.executable, "-c",
+                 "import fcntl, os, time\n"
+                 f"fd = os.open({str(host.state / 'lock')!r}, os.O_RDWR)\n"
+                 "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(1.5)\n"],
+                stdout=subprocess.PIPE, text=True))
+            assert holders[0].stdout.readline().strip() == "held"
+        return real_finish(*args, **kwargs)
+
+    monkeypatch.setattr(tune_mod.hwloop, "finish", finish_with_the_lock_held)
+    ctx = Context(config_path=None, state_dir=host.state, sim_path=host.sim, sysfs_root=ROOT / "nonexistent",
+                  read_only=False, profile_dir=host.tmp / "profiles")
+    lines = []
+    try:
+        report = tune_mod.tune(ctx, tune_mod.TuneOptions(budget=3, kernels=(), keep=False), log=lines.append)
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait()
+    assert holders, "the tune never reached its end"
+    assert report["kept"] == report["baseline"], lines
+    assert host.status() == host.original
+    assert not (host.state / "tuning.json").exists()
