@@ -174,6 +174,9 @@ def _write_yaml(path: Path, data: dict, comment: str) -> None:
     write_text_atomic(path, f"{comment}\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
 
 
+CHILD_STOP_S = 30  # within hwtune-retune.service's TimeoutStopSec=2min
+
+
 def _run_streaming(cmd, cwd, env, timeout_s: float, echo) -> tuple[int, str, str]:
     """Run `cmd`, passing each stderr line to `echo` as it comes (a search's progress), and
     return (exit code, stdout, stderr). TimeoutExpired after `timeout_s`, the child killed."""
@@ -197,6 +200,18 @@ def _run_streaming(cmd, cwd, env, timeout_s: float, echo) -> tuple[int, str, str
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
+        raise
+    except BaseException:
+        # A signal ending the tune (SIGTERM, SIGHUP, Ctrl-C) must not leave the child searching
+        # on its own: `hwtune search` stops on SIGTERM as on Ctrl-C (workers stopped, its table
+        # and ledger writes rolled back); killed if it does not, or if another signal comes.
+        try:
+            p.terminate()
+            p.wait(timeout=CHILD_STOP_S)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         raise
     finally:
         for t in readers:

@@ -342,3 +342,40 @@ def test_a_writer_holding_the_lock_as_the_tune_ends_delays_its_restore_instead_o
     assert report["kept"] == report["baseline"], lines
     assert host.status() == host.original
     assert not (host.state / "tuning.json").exists()
+
+
+def test_a_signal_during_the_kernel_search_ends_the_search_child_too(tmp_path):
+    # SIGTERM to `hwtune tune` in its kernel step raised out of the wait for `hwtune search`
+    # and left that child running on its own (orphaned, still searching and writing the table).
+    from daemon.tune import _run_streaming
+
+    class Stop(BaseException):
+        pass
+
+    def stop(signum, frame):
+        raise Stop()
+
+    pid_file = tmp_path / "child.pid"
+    child = ("import os, sys, time\n"
+             f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+             "print('searching', file=sys.stderr, flush=True)\n"
+             "time.sleep(120)\n")
+    old = signal.signal(signal.SIGALRM, stop)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 2.0)
+        t0 = time.monotonic()
+        with pytest.raises(Stop):
+            _run_streaming([sys.executable, "-c", child], tmp_path, dict(os.environ), 600, lambda line: None)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    pid = int(pid_file.read_text())
+    try:
+        alive = os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        alive = False
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert not alive, "the child outlived the signal"
+    assert time.monotonic() - t0 < 15
