@@ -246,6 +246,22 @@ class Service:
         if restored is not None:
             self.log(f"recovered: {len(restored)} value(s) restored")
 
+    def _recover_at_start(self) -> None:
+        """recover(), waiting up to START_LOCK_WAIT_S for a live apply to release the lock, in
+        short tries: a stop asked meanwhile (systemctl stop) ends the wait, nothing applied."""
+        deadline = time.monotonic() + START_LOCK_WAIT_S
+        while True:
+            try:
+                self.recover()
+                return
+            except LockBusyError as exc:
+                if self._stop:
+                    self.log("asked to stop while waiting for the writer lock: nothing recovered or applied")
+                    return
+                if time.monotonic() >= deadline:
+                    raise LockBusyError(f"{exc} (waited {START_LOCK_WAIT_S} s)") from None
+                time.sleep(0.1)
+
     def _dead_tune(self, record: dict) -> bool:
         from daemon.tune import dead_tune_restorer
 
@@ -562,7 +578,7 @@ class Service:
             self._write_runtime()  # the state directory takes writes: checked before the hardware
             self._status = "waiting for the writer lock" if _lock_held_by_other(self.state_dir) else "recovering"
             self.notifier.status(self._status)  # a notify socket that does not work: refused before any write
-            self.recover(wait_s=START_LOCK_WAIT_S)
+            self._recover_at_start()
             if not self._stop:  # asked to stop while waiting for the lock: apply nothing
                 if self._last_tune_stamp() != self.state.profile_tune_mtime:
                     self._load_profile()  # a tune that held the lock meanwhile kept a point

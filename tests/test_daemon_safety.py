@@ -213,3 +213,28 @@ def test_a_daemon_started_or_reloaded_during_a_tune_writes_nothing_until_it_ends
         tuner.wait()
     wait_until(lambda: host.gpu(0)["power_limit_w"] == 560 and host.gpu(1)["power_limit_w"] == 560,
                "the profile once the tune ended")
+
+
+def test_sigterm_while_waiting_for_the_lock_at_start_stops_without_waiting_the_minute_out(host, daemons):
+    # The daemon waits up to 60 s for a live apply at start; SIGTERM (systemctl stop) during
+    # that wait was ignored until the minute was up, then the daemon exited 5 'lock busy'.
+    host.state.mkdir(exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import fcntl, os, time\n"
+                               f"fd = os.open({str(host.state / 'lock')!r}, os.O_RDWR | os.O_CREAT, 0o600)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(120)\n"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        d = daemons(host, host.config(rollback="never"))
+        d.wait_message(lambda m: "writer lock" in m.get("STATUS", ""), "STATUS: waiting for the writer lock")
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        rc = d.proc.wait(timeout=WAIT_S + 30)
+        took = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert took < 20, f"{took:.0f} s to stop\n{d.output()}"
+    assert rc == 0, d.output()
+    assert host.status() == host.original and _journal(host) is None
