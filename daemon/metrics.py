@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import threading
 from pathlib import Path
@@ -84,6 +85,10 @@ class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
 
     def handle_error(self, request, client_address) -> None:
         pass  # a client that timed out or went away: not the daemon's error, no traceback
+
+
+class _ThreadingWSGIServer6(_ThreadingWSGIServer):
+    address_family = socket.AF_INET6
 
 
 class Metrics:
@@ -272,9 +277,10 @@ class Metrics:
         Returns the bound port."""
         if self._server is not None:
             raise MetricsError(f"metrics already served on port {self._server.server_port}")
+        server_class = _ThreadingWSGIServer6 if ":" in address else _ThreadingWSGIServer  # an IPv6 literal
         try:
             server = make_server(address, port, make_wsgi_app(self.registry),
-                                 _ThreadingWSGIServer, handler_class=_QuietHandler)
+                                 server_class, handler_class=_QuietHandler)
         except OSError as exc:
             raise MetricsError(f"metrics on {address}:{port}: cannot listen: {exc}") from exc
         self._server = server

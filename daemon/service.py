@@ -572,7 +572,8 @@ class Service:
                 port = self.metrics.serve(self.config.metrics.address, self.config.metrics.port)
             except HwtuneError as exc:
                 raise HwtuneError(f"{exc}; nothing was applied") from None
-            self.log(f"metrics on http://{self.config.metrics.address}:{port}/metrics")
+            host = self.config.metrics.address
+            self.log(f"metrics on http://{f'[{host}]' if ':' in host else host}:{port}/metrics")
         applied = False
         if not self.host.read_only:
             self._write_runtime()  # the state directory takes writes: checked before the hardware

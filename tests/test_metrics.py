@@ -200,3 +200,24 @@ def test_a_dispatch_table_that_is_a_fifo_or_nested_too_deeply_is_a_metrics_error
         t.join(timeout=5)
         pytest.fail("load_dispatch_table blocked on a FIFO")
     assert errors and "not a regular file" in errors[0]
+
+
+def test_an_ipv6_address_is_served(tmp_path):
+    # The config takes an IPv6 metrics.address; the server was IPv4 only ('Address family for
+    # hostname not supported') and the daemon refused to start.
+    import socket
+
+    try:
+        socket.socket(socket.AF_INET6).close()
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    m = Metrics()
+    try:
+        port = m.serve("::1", 0)
+        m.set_drift(2)
+        with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=10) as resp:
+            assert b"hwtune_drifted_knobs 2.0" in resp.read()
+    finally:
+        m.close()
