@@ -207,11 +207,14 @@ def _number(value: Any, source: str, key: str, lo: float, hi: float) -> float:
 
 
 def check_secure(path: Path, st: os.stat_result) -> None:
-    """Refuse a config that someone other than root could have written."""
+    """Refuse a config that someone other than root (or, run as a user, that user) could have
+    written: as root it drives root actions; as a user (a --sim host) only that user's."""
     mode = stat.S_IMODE(st.st_mode)
-    if st.st_uid != 0:
-        raise UsageError(f"{path}: refusing the config: owned by uid {st.st_uid}, must be owned by root "
-                         f"(it drives root actions; chown root {path})")
+    me = os.geteuid()
+    if st.st_uid not in (0, me):
+        owner = "root" if me == 0 else f"root or uid {me} (this user)"
+        raise UsageError(f"{path}: refusing the config: owned by uid {st.st_uid}, must be owned by {owner} "
+                         f"(it drives {'root ' if me == 0 else ''}actions; chown {'root' if me == 0 else me} {path})")
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise UsageError(f"{path}: refusing the config: mode {mode:04o} is group- or world-writable "
                          f"(it drives root actions; chmod go-w {path})")

@@ -92,6 +92,21 @@ def test_config_not_owned_by_root_is_refused(tmp_path):
         load_config(path)
 
 
+@needs_root
+def test_a_user_running_hwtune_may_use_a_config_of_their_own_but_not_another_users(tmp_path, monkeypatch):
+    # `hwtune --sim HOST daemon --config mine.yaml` as a user drives only that user's actions:
+    # it was refused 'must be owned by root', while apply --config took the same file.
+    import daemon.config
+
+    path = _write(tmp_path, "profile: throughput\n")
+    os.chown(path, 65534, -1)
+    monkeypatch.setattr(daemon.config.os, "geteuid", lambda: 65534)
+    assert load_config(path).profile == "throughput"
+    os.chown(path, 65533, -1)
+    with pytest.raises(UsageError, match=r"owned by uid 65533, must be owned by root or uid 65534"):
+        load_config(path)
+
+
 def test_insecure_config_is_read_when_the_check_is_off(tmp_path):
     path = _write(tmp_path, "profile: throughput\n", 0o666)
     assert load_config(path, require_secure=False).profile == "throughput"
