@@ -343,6 +343,7 @@ def tune(ctx, opts: TuneOptions, log=_stderr) -> dict:
         problems = engine.journal_problems(host, state_dir)
         if problems:  # every point would be refused by apply: say it once, before the first
             raise PendingJournalError(f"{engine.journal_blocked(state_dir, problems)}; tune refused until then")
+        _check_marker_readable(ctx, state_dir)
         other = live_tuner(state_dir, on_dead=dead_tune_restorer(host, state_dir, log))
         if other is not None:
             raise LockBusyError(f"pid {other} is already tuning ({state_dir / TUNING_MARKER})")
@@ -490,6 +491,19 @@ def _kernel_phase(ctx, opts, device, kept, baseline, log) -> list:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _check_marker_readable(ctx, state_dir: Path) -> None:
+    """A marker no tune can read (damaged, a link, another user's) names no starting settings
+    to put back, and waiting does not change that: UsageError saying what to do, not 'try again'."""
+    from hwtune import statefile
+
+    try:
+        statefile.read_json(state_dir / TUNING_MARKER, "tuning marker")
+    except statefile.StateError as exc:
+        raise UsageError(f"{exc}; it would name the settings a tune that died started from: if the host is "
+                         f"not as it should be, {ctx.command('rollback')} restores the settings from before "
+                         "hwtune; then remove it") from None
 
 
 def _daemon_base_profile(state_dir: Path) -> str | None:

@@ -379,3 +379,23 @@ def test_a_signal_during_the_kernel_search_ends_the_search_child_too(tmp_path):
         os.waitpid(pid, 0)
     assert not alive, "the child outlived the signal"
     assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.parametrize("plant", ["corrupt", "symlink", "foreign"])
+def test_a_marker_that_cannot_be_read_is_named_with_what_to_do_not_try_again(host, plant):
+    # It said 'its starting settings could not be restored yet; try again' (exit 5, lock busy)
+    # every night for ever: trying again never helps with a marker no tune can read.
+    host.state.mkdir(mode=0o700, exist_ok=True)
+    marker = host.state / "tuning.json"
+    if plant == "symlink":
+        marker.symlink_to("/etc/passwd")
+    else:
+        marker.write_text('{"pid": 12' if plant == "corrupt" else '{"pid": 12}')
+        os.chmod(marker, 0o600)
+        if plant == "foreign":
+            os.chown(marker, 65534, -1)
+    r, _ = tune(host, "--no-kernels", "--budget", "2", check=False)
+    assert r.returncode == 2, r.stderr
+    assert "try again" not in r.stderr and str(marker) in r.stderr and "remove it" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert host.status() == host.original
