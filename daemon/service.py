@@ -149,6 +149,7 @@ class Service:
         self._wake_r = self._wake_w = None
         self._said: set = set()
         self._notify_failed = False
+        self._rate_limited: str | None = None  # the drift last said to be rate-limited
 
     # -- helpers ---------------------------------------------------------------------------
     def _log_once(self, line: str) -> None:
@@ -403,20 +404,30 @@ class Service:
 
         if self.state.profile is None or self.state.suspended:
             return
-        drift = engine.verify(self.host, self.state.profile, self.state_dir)
-        self.state.drift = len(drift)
+        drift = engine.plan(self.host, self.state.profile, self.state_dir)
+        # BIOS settings are checked, never written: counted and said once, never "re-applied".
+        bios = engine.bios_drift(self.host, self.state.profile)
+        self.state.drift = len(drift) + len(bios)
         if self.metrics:
-            self.metrics.set_drift(len(drift))
+            self.metrics.set_drift(self.state.drift)
+        if bios:
+            self._log_once(f"BIOS differs from profile {self.state.profile_name} (checked, never written): "
+                           f"{'; '.join(map(str, bios))}")
         if not drift:
+            self._rate_limited = None
             return
         if self.host.read_only:  # watching only: the drift is reported, never re-applied
             self._log_once(f"drift: {'; '.join(map(str, drift))}; read-only mode, not re-applied")
             return
         since = time.monotonic() - self.state.last_apply
         if since < self.config.reapply_min_interval_s:
-            self.log(f"drift ({'; '.join(map(str, drift))}); re-apply rate-limited "
-                     f"({since:.0f} s < {self.config.reapply_min_interval_s:g} s since the last apply)")
+            text = "; ".join(map(str, drift))
+            if text != self._rate_limited:  # once per drift, not at every poll until the re-apply
+                self._rate_limited = text
+                self.log(f"drift ({text}); re-apply rate-limited "
+                         f"({since:.0f} s < {self.config.reapply_min_interval_s:g} s since the last apply)")
             return
+        self._rate_limited = None
         self.log(f"drift: {'; '.join(map(str, drift))}; re-applying {self.state.profile_name}")
         if self.apply_profile("drift") and self.metrics:
             self.metrics.inc_reapply()

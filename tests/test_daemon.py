@@ -419,3 +419,21 @@ def test_a_read_only_daemon_reports_drift_and_keeps_watching(host):
         log.close()
     assert (host.tmp / "ro.log").read_text().count("not re-applied") == 1
     assert host.status() == host.original
+
+
+def test_bios_drift_is_reported_once_and_never_re_applied(host, daemons):
+    # BIOS settings are checked, never written: a BIOS that differs made the daemon 're-apply'
+    # (0 changes) at every reapply interval and log 'drift ... re-apply rate-limited' at every
+    # poll in between, for ever (17,000 lines a day at the default 5 s poll).
+    profile = host.tmp / "bios-check.yaml"
+    profile.write_text("include: [efficiency]\nbios:\n  source: redfish\n  endpoint: https://bmc.example\n"
+                       "  expect: {PowerProfile: MaxPerf}\n")
+    d = daemons(host, host.config(rollback="never", profile=str(profile), reapply_min_interval_s=0.5))
+    info = d.ready()
+    time.sleep(2.0)  # ten polls at 0.2 s, four reapply intervals
+    out = d.output()
+    assert out.count("PowerProfile") == 1, out
+    assert "re-appl" not in out, out
+    assert metric(d.scrape(info["metrics_port"]), "hwtune_drifted_knobs") == 1
+    host.set("gpus.0.power_limit_w=650")  # a knob hwtune writes is still put back
+    wait_until(lambda: host.gpu(0)["power_limit_w"] == 560, "the re-apply of 560 W")
