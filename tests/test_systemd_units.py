@@ -99,3 +99,14 @@ def test_retune_is_a_oneshot_under_a_nightly_persistent_randomized_timer():
     assert t["Timer.RandomizedDelaySec"] == ["30min"]
     assert t["Timer.Unit"] == ["hwtune-retune.service"]
     assert t["Install.WantedBy"] == ["timers.target"]
+
+
+def test_retune_lets_the_kernel_sandbox_make_its_namespaces():
+    # The nightly tune runs the kernel search, whose sandbox (kernelsearch/harness/jail.py)
+    # unshares net, IPC and mount namespaces before it runs a candidate's host code.
+    # RestrictNamespaces=yes made every unshare fail with EPERM, which the jail takes quietly:
+    # candidates ran with the host's network and /tmp under the timer.
+    jail = (ROOT / "kernelsearch" / "harness" / "jail.py").read_text()
+    assert all(f"unshare(CLONE_NEW{ns})" in jail for ns in ("NET", "IPC", "NS"))
+    value = directives("hwtune-retune.service")["Service.RestrictNamespaces"]
+    assert len(value) == 1 and set(value[0].split()) == {"net", "ipc", "mnt"}, value
