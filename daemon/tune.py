@@ -534,13 +534,35 @@ def _record(state_dir, report, result, kept, baseline, gpus, space, opts, source
         _write_yaml(tuned, profile, f"# {TUNED_PROFILE}: the point `hwtune tune` kept ({opts.objective}, "
                                     f"{source}); `hwtune rollback` undoes it")
         report["tuned_profile"] = str(tuned)
+    kept_profile = report.get("tuned_profile")
+    if kept_profile is None and kept == baseline:
+        # Left where it started: a point an earlier tune kept (the daemon holds it) stays the one
+        # to hold; null here would make the daemon's next start drop it for the bare profile.
+        kept_profile = _earlier_kept_profile(state_dir, base_profile)
     objective_value = None
     if best is not None and best.metrics:
         objective_value = best.metrics["tokens_per_j" if opts.objective == "energy" else "tokens_per_s"]
     _write_json(state_dir / LAST_TUNE_FILE, {
         "timestamp_s": time.time(), "objective": objective_value, "ok": not result.aborted,
-        "source": source, "kept": kept.to_json(), "kept_profile": report.get("tuned_profile"),
+        "source": source, "kept": kept.to_json(), "kept_profile": kept_profile,
         "base_profile": base_profile})
+
+
+def _earlier_kept_profile(state_dir: Path, base_profile) -> str | None:
+    """The tuned profile the last record names, when kept on top of the same base profile and
+    still there (both trusted state files)."""
+    from hwtune import statefile
+
+    try:
+        last = statefile.read_json(state_dir / LAST_TUNE_FILE, "last tune record")
+        path = last.get("kept_profile") if isinstance(last, dict) else None
+        if (not isinstance(path, str) or last.get("base_profile") != base_profile
+                or Path(path).resolve() != (state_dir / TUNED_PROFILE).resolve()
+                or statefile.read_bytes(path, "tuned profile") is None):
+            return None
+    except statefile.StateError:
+        return None
+    return path
 
 
 def _has_cuda() -> bool:

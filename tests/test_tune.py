@@ -399,3 +399,21 @@ def test_a_marker_that_cannot_be_read_is_named_with_what_to_do_not_try_again(hos
     assert "try again" not in r.stderr and str(marker) in r.stderr and "remove it" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
     assert host.status() == host.original
+
+
+def test_a_nightly_that_keeps_nothing_new_leaves_the_daemon_on_the_point_kept_before(host):
+    # A nightly that found nothing better than where it started (the point an earlier night
+    # kept) wrote kept_profile: null, so the daemon's next start dropped that point and put
+    # the bare base profile back, moving the host away from what every tune had left.
+    config = host.config(rollback="never", metrics={"enabled": False})
+    nightly = ("--sim", host.sim, "--config", config, "tune", "--nightly", "--no-kernels")
+    run_hwtune("--sim", host.sim, "daemon", "--config", config, "--once", check=True)
+    first = json.loads(run_hwtune(*nightly, "--budget", "6", "--json", check=True, timeout=600).stdout)
+    assert first["kept"] != first["baseline"], "the first night kept nothing: nothing to hold"
+    second = json.loads(run_hwtune(*nightly, "--budget", "3", "--restore", "--json", check=True,
+                                   timeout=600).stdout)
+    assert second["kept"] == second["baseline"] == first["kept"]
+    r = run_hwtune("--sim", host.sim, "daemon", "--config", config, "--once", check=True)
+    assert "efficiency+tuned applied" in r.stderr, r.stderr
+    gpu = host.gpu(0)
+    assert gpu["power_limit_w"] == first["kept"]["power_limit_w"]
