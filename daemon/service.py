@@ -38,7 +38,7 @@ from pathlib import Path
 
 from daemon.config import Config, load_config
 from daemon.notify import Notifier, watchdog_interval_s
-from hwtune.errors import HwtuneError, LockBusyError
+from hwtune.errors import HwtuneError, LockBusyError, UsageError
 
 THERMAL_BITS = 0x20 | 0x40      # SW thermal slowdown, HW thermal slowdown
 POWER_BRAKE_BITS = 0x80         # HW power brake slowdown
@@ -128,6 +128,7 @@ class State:
     profile_tune_mtime: float = 0.0  # last_tune.json's mtime when the profile was chosen
     resume_when_clear: bool = False  # a reload came during a safety event: apply once it clears
     pending: bool = False            # read-only: an interrupted apply's journal stands, unrestored
+    tuned: bool = False              # the profile held is the point hwtune tune kept
 
 
 class Service:
@@ -187,9 +188,18 @@ class Service:
         tuned = self._tuned_profile_path()
         if tuned is not None:
             # The nightly tune kept a better point on top of this profile: keep that instead.
-            self.log(f"using {tuned} (kept by hwtune tune on top of {name})")
-            self.state.profile, self.state.profile_name = load(str(tuned), self.ctx.profile_dir), f"{name}+tuned"
-            return
+            try:
+                profile = load(str(tuned), self.ctx.profile_dir)
+            except HwtuneError as exc:
+                # Damaged, or no longer fits this hardware (a GPU swapped or gone): the configured
+                # profile is still one to hold; refusing to start would leave the host unwatched.
+                self._log_once(f"{exc}; the point hwtune tune kept cannot be used: holding profile {name}")
+            else:
+                self.log(f"using {tuned} (kept by hwtune tune on top of {name})")
+                self.state.profile, self.state.profile_name = profile, f"{name}+tuned"
+                self.state.tuned = True
+                return
+        self.state.tuned = False
         self.state.profile = load(name, self.ctx.profile_dir) if name else None
         self.state.profile_name = getattr(self.state.profile, "name", name) if name else None
 
@@ -287,6 +297,18 @@ class Service:
         except LockBusyError as exc:
             self.log(f"apply of {self.state.profile_name} postponed: {exc}")
             return False
+        except UsageError as exc:
+            if not self.state.tuned:
+                self.state.last_apply = time.monotonic()
+                raise
+            # Refused before any write: the kept point no longer fits this hardware (a GPU
+            # swapped for one with other limits, or gone). The configured profile still does.
+            name = self.config.profile
+            self._log_once(f"{exc}; the point hwtune tune kept cannot be applied: holding profile {name}")
+            from hwtune.profiles import load
+
+            self.state.profile, self.state.profile_name, self.state.tuned = load(name, self.ctx.profile_dir), name, False
+            return self.apply_profile(why)
         except HwtuneError:
             # A failed apply wrote and undid: the next attempt waits reapply_min_interval_s too,
             # or a knob that does not take is written (and undone) at every poll.

@@ -238,3 +238,23 @@ def test_sigterm_while_waiting_for_the_lock_at_start_stops_without_waiting_the_m
     assert took < 20, f"{took:.0f} s to stop\n{d.output()}"
     assert rc == 0, d.output()
     assert host.status() == host.original and _journal(host) is None
+
+
+@pytest.mark.parametrize("tuned", ["gpu:\n  power_limit_w: [\n", "gpu:\n  select: [0, 1]\n  power_limit_w: 5000\n"])
+def test_a_tuned_profile_that_no_longer_loads_leaves_the_daemon_on_its_configured_profile(host, tuned):
+    # A kept point that is damaged, or no longer fits the hardware (a GPU swapped for one with
+    # other limits), made every start exit 2: no profile held, no thermal watch, a restart loop.
+    host.state.mkdir(mode=0o700, exist_ok=True)
+    (host.state / "tuned-profile.yaml").write_text(tuned)
+    (host.state / "last_tune.json").write_text(json.dumps({
+        "timestamp_s": time.time(), "objective": 1.0, "ok": True, "source": "simulated",
+        "kept": {"power_limit_w": 650, "sm_clock_max_mhz": None},
+        "kept_profile": str(host.state / "tuned-profile.yaml"), "base_profile": "efficiency"}))
+    for name in ("tuned-profile.yaml", "last_tune.json"):
+        os.chmod(host.state / name, 0o600)
+    config = host.config(rollback="never", metrics={"enabled": False})
+    r = run_hwtune("--sim", host.sim, "daemon", "--config", config, "--once", timeout=WAIT_S)
+    assert r.returncode == 0, r.stderr
+    assert "profile efficiency applied" in r.stderr and "tuned-profile.yaml" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert run_hwtune("--sim", host.sim, "verify", "-p", "efficiency").returncode == 0
