@@ -45,6 +45,7 @@ POWER_BRAKE_BITS = 0x80         # HW power brake slowdown
 PROBATION_POLLS = 2
 TUNING_MARKER = "tuning.json"   # written by daemon/tune.py while a tuning cycle runs
 RUNTIME_FILE = "daemon.json"    # pid and metrics port of the running daemon
+DAEMON_LOCK = "daemon.lock"     # flock held by the running daemon (not --once, not read-only)
 LAST_TUNE_FILE = "last_tune.json"
 START_LOCK_WAIT_S = 60          # at start, wait this long for a live apply to release the lock
 STOP_LOCK_WAIT_S = 10           # at stop (rollback: on_exit), this long
@@ -151,6 +152,7 @@ class Service:
         self._said: set = set()
         self._notify_failed = False
         self._rate_limited: str | None = None  # the drift last said to be rate-limited
+        self._claim = None
 
     # -- helpers ---------------------------------------------------------------------------
     def _log_once(self, line: str) -> None:
@@ -246,6 +248,23 @@ class Service:
             "metrics_port": self.metrics.port if self.metrics else None,
             "profile": self.state.profile_name, "base_profile": self.config.profile,
             "torch_imported": "torch" in sys.modules})
+
+    def _claim_single_daemon(self) -> None:
+        """Held for the daemon's life (the kernel drops it when the process ends): two daemons
+        on one state directory would re-apply each other's profile at every poll."""
+        from hwtune.lock import WriterLock
+
+        claim = WriterLock(self.state_dir, name=DAEMON_LOCK)
+        try:
+            claim.__enter__()
+        except LockBusyError:
+            try:
+                holder = (self.state_dir / DAEMON_LOCK).read_text().strip() or "unknown"
+            except OSError:
+                holder = "unknown"
+            raise LockBusyError(f"another hwtune daemon (pid {holder}) runs on {self.state_dir} "
+                                f"({self.state_dir / DAEMON_LOCK}); nothing was applied") from None
+        self._claim = claim
 
     # -- hardware --------------------------------------------------------------------------
     def recover(self, wait_s: float = 0) -> None:
@@ -588,6 +607,8 @@ class Service:
 
         # Everything that can fail is checked and bound before the first hardware write: a
         # daemon that cannot serve its metrics exits with the host untouched.
+        if not self.host.read_only and not self.once:
+            self._claim_single_daemon()
         if self.config.metrics.enabled and not self.once:
             from daemon.metrics import Metrics
 

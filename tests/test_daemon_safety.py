@@ -258,3 +258,21 @@ def test_a_tuned_profile_that_no_longer_loads_leaves_the_daemon_on_its_configure
     assert "profile efficiency applied" in r.stderr and "tuned-profile.yaml" in r.stderr
     assert "Traceback" not in r.stderr
     assert run_hwtune("--sim", host.sim, "verify", "-p", "efficiency").returncode == 0
+
+
+def test_a_second_daemon_on_the_same_state_directory_is_refused_before_any_write(host, daemons):
+    # The daemon is the single writer: a second one (run by hand beside the service, metrics
+    # off or on another port) applied its own profile, and the two re-applied each other's
+    # settings at every poll, each write journaled.
+    d = daemons(host, host.config(rollback="never", metrics={"enabled": False}))
+    d.ready()
+    other = host.tmp / "other.yaml"
+    other.write_text(json.dumps({"profile": "throughput", "poll_interval_s": 0.2, "metrics": {"enabled": False}}))
+    os.chmod(other, 0o600)
+    r = run_hwtune("--sim", host.sim, "daemon", "--config", other, timeout=20)
+    assert r.returncode == 5, r.stderr
+    assert f"pid {d.proc.pid}" in r.stderr and "Traceback" not in r.stderr
+    assert "set gpu0" not in r.stderr
+    assert host.gpu(0)["power_limit_w"] == 560
+    assert "re-applying" not in d.output()
+    assert d.proc.poll() is None
