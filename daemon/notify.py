@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Mapping
 
 from hwtune.errors import HwtuneError
+
+
+WAIT_S = 2.0  # READY=1, RELOADING=1, STOPPING=1 on a full queue: tried again this long
 
 
 class NotifyError(HwtuneError):
@@ -65,9 +69,10 @@ class Notifier:
     def enabled(self) -> bool:
         return self.address is not None
 
-    def notify(self, **fields: object) -> bool:
+    def notify(self, wait_s: float = 0, **fields: object) -> bool:
         """Send KEY=value lines (keyword names are upper-cased: ready=1 -> READY=1).
-        Returns False when there is no socket or its queue is full (nothing sent)."""
+        Returns False when there is no socket or its queue is full (nothing sent). `wait_s`:
+        how long a full queue is waited for (READY=1, STOPPING=1: systemd waits for them)."""
         if not self.enabled or not fields:
             return False
         lines = []
@@ -84,10 +89,17 @@ class Notifier:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             # Never block the service loop on a reader that is not reading (systemd always
-            # reads; a stalled test socket must not stall the watchdog path): drop instead.
-            self._sock.sendto(payload, socket.MSG_DONTWAIT, _socket_address(self.address))
-        except BlockingIOError:
-            return False
+            # reads; a stalled test socket must not stall the watchdog path): drop instead,
+            # or for a message systemd waits for, try again for at most wait_s.
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    self._sock.sendto(payload, socket.MSG_DONTWAIT, _socket_address(self.address))
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        return False
+                    time.sleep(0.01)
         except OSError as exc:
             raise NotifyError(f"NOTIFY_SOCKET={self.address}: cannot send {lines[0]}...: {exc}") from exc
         return True
@@ -97,7 +109,7 @@ class Notifier:
         if status is not None:
             fields["status"] = status
         fields["mainpid"] = os.getpid()
-        return self.notify(**fields)
+        return self.notify(wait_s=WAIT_S, **fields)
 
     def status(self, text: str) -> bool:
         return self.notify(status=text)
@@ -106,13 +118,13 @@ class Notifier:
         return self.notify(watchdog=1)
 
     def reloading(self) -> bool:
-        return self.notify(reloading=1)
+        return self.notify(wait_s=WAIT_S, reloading=1)
 
     def stopping(self, status: str | None = None) -> bool:
         fields: dict[str, object] = {"stopping": 1}
         if status is not None:
             fields["status"] = status
-        return self.notify(**fields)
+        return self.notify(wait_s=WAIT_S, **fields)
 
     def close(self) -> None:
         if self._sock is not None:

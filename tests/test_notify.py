@@ -86,3 +86,35 @@ def test_watchdog_pid_of_another_process_disables_the_watchdog():
     env["WATCHDOG_PID"] = str(os.getpid() + 1)
     assert watchdog_interval_s(env) is None
     assert watchdog_interval_s(env, pid=os.getpid() + 1) == 1.0
+
+
+def test_ready_and_stopping_wait_briefly_for_a_full_queue_instead_of_being_dropped(notify_socket):
+    # Every message was sent MSG_DONTWAIT and dropped on a full queue: right for WATCHDOG=1
+    # and STATUS= (the next one comes), but a dropped READY=1 fails the start at
+    # TimeoutStartSec, and a dropped STOPPING=1 leaves systemd waiting for a daemon that stops.
+    import threading
+    import time
+
+    path, sock = notify_socket
+    n = Notifier(path)
+    while n.status("x" * 200):   # fill the receiver's queue
+        pass
+    assert not n.watchdog()      # a ping is still dropped, never waited for
+
+    def drain_later():
+        time.sleep(0.3)
+        sock.setblocking(False)
+        try:
+            while True:
+                got.append(sock.recv(4096).decode())
+        except BlockingIOError:
+            pass
+    got: list = []
+    t = threading.Thread(target=drain_later)
+    t.start()
+    assert n.ready()
+    t.join()
+    sock.settimeout(5)
+    got.append(sock.recv(4096).decode())
+    assert any("READY=1" in m for m in got)
+    n.close()
