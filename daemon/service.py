@@ -153,6 +153,7 @@ class Service:
         self._notify_failed = False
         self._rate_limited: str | None = None  # the drift last said to be rate-limited
         self._claim = None
+        self._telemetry_error: dict[int, str] = {}  # gpu -> the error last said
 
     # -- helpers ---------------------------------------------------------------------------
     def _log_once(self, line: str) -> None:
@@ -366,8 +367,12 @@ class Service:
             try:
                 t = self.host.gpus.telemetry(i)
             except HwtuneError as exc:
-                self.log(f"gpu{i} telemetry: {exc}")
+                if self._telemetry_error.get(i) != str(exc):  # once while it stands, not per poll
+                    self._telemetry_error[i] = str(exc)
+                    self.log(f"gpu{i} telemetry: {exc}")
                 continue
+            if self._telemetry_error.pop(i, None) is not None:
+                self.log(f"gpu{i} telemetry: readable again")
             if self.metrics:
                 extra = dict(t)
                 try:

@@ -437,3 +437,34 @@ def test_bios_drift_is_reported_once_and_never_re_applied(host, daemons):
     assert metric(d.scrape(info["metrics_port"]), "hwtune_drifted_knobs") == 1
     host.set("gpus.0.power_limit_w=650")  # a knob hwtune writes is still put back
     wait_until(lambda: host.gpu(0)["power_limit_w"] == 560, "the re-apply of 560 W")
+
+
+def test_a_gpu_whose_telemetry_cannot_be_read_is_said_once_while_it_stands(host, monkeypatch):
+    # A GPU fallen off the bus answers every NVML call with an error: 'gpu1 telemetry: ...' was
+    # logged at every poll (17,000 lines a day at 5 s). NVML errors cannot be made here, so the
+    # sim's telemetry getter is made to fail.
+    from daemon.context import Context
+    from daemon.notify import Notifier
+    from daemon.service import Service
+    from hwtune.errors import HwtuneError
+
+    ctx = Context(config_path=None, state_dir=host.state, sim_path=host.sim, sysfs_root=Path("/"),
+                  read_only=False, profile_dir=host.tmp)
+    lines = []
+    service = Service(ctx, once=True, log=lines.append, notifier=Notifier(None))
+    service.host = ctx.open_host()
+    real = service.host.gpus.telemetry
+    broken = {"now": True}
+
+    def telemetry(i):
+        if i == 1 and broken["now"]:
+            raise HwtuneError("gpu1: NVML_ERROR_GPU_IS_LOST")
+        return real(i)
+    monkeypatch.setattr(service.host.gpus, "telemetry", telemetry)
+    for _ in range(5):
+        service.poll()
+    assert sum("GPU_IS_LOST" in line for line in lines) == 1, lines
+    broken["now"] = False
+    service.poll()
+    service.poll()
+    assert sum("gpu1 telemetry" in line for line in lines) == 2, lines  # and once when it is back
