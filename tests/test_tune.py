@@ -417,3 +417,39 @@ def test_a_nightly_that_keeps_nothing_new_leaves_the_daemon_on_the_point_kept_be
     assert "efficiency+tuned applied" in r.stderr, r.stderr
     gpu = host.gpu(0)
     assert gpu["power_limit_w"] == first["kept"]["power_limit_w"]
+
+
+def test_a_restore_that_still_finds_the_lock_held_keeps_the_marker_for_the_next_to_restore(host, monkeypatch):
+    # The marker names the starting settings: removed after a failed restore, nothing was left
+    # that could put them back (the daemon's and the next tune's dead_tune_restorer read it).
+    from daemon import tune as tune_mod
+    from daemon.context import Context
+    from hwtune.errors import LockBusyError
+
+    monkeypatch.setattr(tune_mod, "LOCK_WAIT_S", 0.3)
+    holders = []
+    real_finish = tune_mod.hwloop.finish
+
+    def finish_with_the_lock_held(*args, **kwargs):
+        if not holders:
+            holders.append(subprocess.Popen(
+                [sys.executable, "-c",
+                 "import fcntl, os, time\n"
+                 f"fd = os.open({str(host.state / 'lock')!r}, os.O_RDWR)\n"
+                 "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(60)\n"],
+                stdout=subprocess.PIPE, text=True))
+            assert holders[0].stdout.readline().strip() == "held"
+        return real_finish(*args, **kwargs)
+
+    monkeypatch.setattr(tune_mod.hwloop, "finish", finish_with_the_lock_held)
+    ctx = Context(config_path=None, state_dir=host.state, sim_path=host.sim, sysfs_root=ROOT / "nonexistent",
+                  read_only=False, profile_dir=host.tmp / "profiles")
+    try:
+        with pytest.raises(LockBusyError):
+            tune_mod.tune(ctx, tune_mod.TuneOptions(budget=3, kernels=(), keep=False), log=lambda s: None)
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait()
+    marker = json.loads((host.state / "tuning.json").read_text())
+    assert marker["baseline"] and marker["gpus"] == [0, 1]
