@@ -19,7 +19,8 @@ known-good settings within this poll and is recorded (log + hwtune_restore_total
     daemon's known-good) and exits.
 Outside a tuning step such an event is only logged (the settings were already known good).
 
-Signals: SIGTERM/SIGINT stop (rollback: on_exit -> engine.rollback; never -> keep); SIGHUP
+Signals: SIGTERM/SIGINT stop (rollback: on_exit -> a live tune is asked to stop first, then
+engine.rollback; never -> keep); SIGHUP
 reloads the config and profile and lifts a suspension.
 
 The watch path imports no torch: only hwtune (engine, backends), prometheus_client and the
@@ -49,6 +50,7 @@ DAEMON_LOCK = "daemon.lock"     # flock held by the running daemon (not --once, 
 LAST_TUNE_FILE = "last_tune.json"
 START_LOCK_WAIT_S = 60          # at start, wait this long for a live apply to release the lock
 STOP_LOCK_WAIT_S = 10           # at stop (rollback: on_exit), this long
+STOP_TUNE_WAIT_S = 60           # at stop (rollback: on_exit), for a live tune to restore and end
 
 
 def _stderr(line: str) -> None:
@@ -575,6 +577,7 @@ class Service:
             self._notify(self.notifier.stopping,
                          status="stopping: restoring the settings from before hwtune (rollback: on_exit)")
             self.log("stopping: rollback on_exit, restoring journaled originals")
+            self._stop_live_tune()
             try:
                 engine.rollback(self.host, self.state_dir, self.log, wait_s=STOP_LOCK_WAIT_S)
             except LockBusyError as exc:
@@ -594,6 +597,26 @@ class Service:
         except OSError:
             pass
         return ok
+
+    def _stop_live_tune(self) -> None:
+        """A live `hwtune tune` would go on writing its points over the restore (and end at its
+        baseline, the daemon's profile): asked to stop first (SIGTERM: it restores where it
+        started and exits), waited for up to STOP_TUNE_WAIT_S."""
+        from daemon.marker import live_tuner
+
+        pid = live_tuner(self.state_dir, self._log_once)
+        if pid is None:
+            return
+        self.log(f"stopping: asking pid {pid}'s tune to stop first (SIGTERM)")
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + STOP_TUNE_WAIT_S
+        while live_tuner(self.state_dir) == pid and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if live_tuner(self.state_dir) == pid:
+            self.log(f"stopping: pid {pid}'s tune still runs after {STOP_TUNE_WAIT_S} s; restoring anyway")
 
     def run(self) -> int:
         self.config = self._load_config()

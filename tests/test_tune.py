@@ -453,3 +453,27 @@ def test_a_restore_that_still_finds_the_lock_held_keeps_the_marker_for_the_next_
             p.wait()
     marker = json.loads((host.state / "tuning.json").read_text())
     assert marker["baseline"] and marker["gpus"] == [0, 1]
+
+
+def test_a_daemon_stopped_with_rollback_on_exit_during_a_tune_leaves_the_host_as_before_hwtune(host):
+    # The stop restored the journal between two of the tune's points, and the tune went on
+    # writing points and ended at its baseline (the daemon's profile): the host stayed tuned
+    # although the daemon had stopped with rollback: on_exit.
+    config = host.config(rollback="on_exit")
+    d = Daemon(host, config)
+    try:
+        d.ready()
+        host.set("write_delay_ms=60")
+        proc = _start_tune(host, "--budget", "12", "--restore")
+        d.wait_message(lambda m: "is tuning" in m.get("STATUS", ""), "the daemon to see the tune")
+        assert d.stop() == 0, d.output()
+        out, err = proc.communicate(timeout=WAIT_S)
+        assert proc.returncode == 1, err[-3000:]   # aborted: asked to stop
+        assert "asked to stop" in json.loads(out)["aborted"]
+    finally:
+        d.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    host.set("write_delay_ms=0")
+    assert host.status() == host.original
