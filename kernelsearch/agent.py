@@ -109,7 +109,8 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "(`kernel[grid](...)`), nothing else: no torch compute, no data access (.item, "
              "printing values), no torch.cuda streams or events, no attribute or imported name "
              "that starts with an underscore (a module's internals), no `type`, `.format` "
-             "(use f-strings), `functools.wraps`, code objects or `match` statements, and "
+             "(use f-strings), `functools.wraps`, `functools.singledispatch`, code objects or "
+             "`match` statements, and "
              "string annotations only as plain dotted names.",
              "- scalar arguments (eps, scale) are drawn per trial: pass them, or arithmetic on "
              "them (scale * 1.4427), to a kernel; don't branch on them or convert them to int.",

@@ -116,6 +116,10 @@ HOST_FORBIDDEN_ATTRS = {
     # objects whose names can be replaced (code.replace(co_names=...)) and run as functions
     "format", "format_map", "update_wrapper", "wraps", "gi_code", "cr_code", "ag_code", "types",
     "FunctionType", "CodeType",
+    # what evaluates strings as code: singledispatch's register() calls typing.get_type_hints,
+    # which evaluates every string an annotation's value holds (typing.List["..."] keeps one as
+    # a ForwardRef; an alias bound by assignment is no annotation to the check above)
+    "singledispatch", "singledispatchmethod",
 }
 
 
