@@ -354,6 +354,14 @@ def test_write_past_the_output_is_out_of_bounds():
     rejected(check("hack_oob_write"), "out_of_bounds", "past the end of out")
 
 
+def test_a_kernel_relying_on_the_interpreters_program_order_is_caught():
+    """The interpreter ran a grid's programs in order, program 0 first: a kernel whose other
+    programs read, unsynchronised, what program 0 wrote into a scratch buffer (a race on a GPU)
+    was accepted on the CPU. Programs now run in an order drawn per launch."""
+    v = check("hack_program_order", shapes=[{"M": 5, "N": 1000}, {"M": 33, "N": 257}])
+    assert not v.accepted and v.guard in ("unwritten_output", "correctness", "nondeterministic"), v
+
+
 def test_nondeterministic_kernel_is_rejected_even_within_tolerance():
     rejected(check("hack_scratch_noise"), "nondeterministic", "differs between two runs")
 

@@ -102,6 +102,38 @@ def _install_interpreter_guard() -> None:
 
     if not isinstance(interpreter._interpreter, _GuardedInterpreter):
         interpreter._interpreter = _GuardedInterpreter(interpreter._interpreter)
+    _shuffle_program_order(interpreter.interpreter_builder)
+
+
+def _shuffle_program_order(builder) -> None:
+    """Make the interpreter run a launch's programs in a fresh order each launch. It runs them
+    one after the other, program 0 first: a kernel whose programs read what another wrote, with
+    no synchronisation (program 0 fills a scratch buffer, the others read it), was always right
+    on the CPU and is a race on a GPU. The order is an affine bijection of the linear program
+    index, (a * i + c) mod n with a coprime to n, drawn per launch: no table of n entries."""
+    if getattr(builder, "_hwtune_shuffled", False):
+        return
+    real_dim, real_idx = builder.set_grid_dim, builder.set_grid_idx
+    rng = random.Random(secrets.randbits(64))
+    order = {}
+
+    def set_grid_dim(nx, ny, nz):
+        n = nx * ny * nz
+        a = 1
+        while n > 2:
+            a = rng.randrange(1, n)
+            if math.gcd(a, n) == 1:
+                break
+        order.update(dims=(nx, ny, nz), n=max(n, 1), a=a, c=rng.randrange(max(n, 1)))
+        return real_dim(nx, ny, nz)
+
+    def set_grid_idx(x, y, z):
+        _, ny, nz = order["dims"]
+        j = (order["a"] * ((x * ny + y) * nz + z) + order["c"]) % order["n"]
+        return real_idx(j // (ny * nz), j // nz % ny, j % nz)
+
+    builder.set_grid_dim, builder.set_grid_idx = set_grid_dim, set_grid_idx
+    builder._hwtune_shuffled = True
 
 
 # --- buffers ------------------------------------------------------------------------------------
