@@ -108,7 +108,8 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "slicing, transpose, ...), zero a workspace (.zero_()) and launch kernels "
              "(`kernel[grid](...)`), nothing else: no torch compute, no data access (.item, "
              "printing values), no torch.cuda streams or events, no attribute or imported name "
-             "that starts with an underscore (a module's internals), no `type`, `.format` "
+             "that starts with an underscore (a module's internals) or is a module another one "
+             "holds (typing.sys, typing.stdlib_re), no `type`, `.format` "
              "(use f-strings), `functools.wraps`, `functools.singledispatch`, code objects or "
              "`match` statements, and "
              "string annotations only as plain dotted names.",

@@ -395,7 +395,7 @@ def test_branching_on_a_scalar_argument_cannot_be_planned():
     ("hack_write_outside", ["open"]), ("hack_typing_eval_type", ["._eval_type"]),
     ("hack_match_dunder", ["match statements"]), ("hack_string_annotation", ["string annotation"]),
     ("hack_code_replace", [".gi_code", "name type"]), ("hack_update_wrapper", [".update_wrapper", "name type"]),
-    ("hack_forward_ref_alias", [".singledispatch"]),
+    ("hack_forward_ref_alias", [".singledispatch"]), ("hack_typing_builtins", [".stdlib_re"]),
 ])
 def test_process_state_and_host_escapes_are_refused(name, words):
     rejected(check(name), "static", *words)

@@ -123,6 +123,21 @@ HOST_FORBIDDEN_ATTRS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _module_attrs() -> frozenset:
+    """Names under which a module host code may import holds another module (typing.sys,
+    typing.stdlib_re, ... in this Python): through them host code reached modules it may not
+    import (typing.stdlib_re.enum.bltns is builtins: its getattr and eval)."""
+    import importlib
+    import inspect
+
+    found = set()
+    for name in HOST_MODULES - {"torch"}:
+        mod = importlib.import_module(name)
+        found.update(n for n in dir(mod) if inspect.ismodule(getattr(mod, n, None)))
+    return frozenset(found)
+
+
 def read_source(path) -> bytes:
     """A kernel source file's bytes (a candidate's, or a table entry's), read no further than one
     byte past MAX_SOURCE_BYTES: a larger file is refused by the check below and never read into
@@ -650,7 +665,7 @@ class _Checker:
                 self.libdevice_aliases[bound] = full
                 self.imports.append(f"import {full} as {bound}")
             elif module == "__future__" or (module in HOST_MODULES and module != "torch"):
-                if _private(alias.name) or alias.name in HOST_FORBIDDEN_ATTRS:
+                if _private(alias.name) or alias.name in HOST_FORBIDDEN_ATTRS or alias.name in _module_attrs():
                     self.bad(node, f"from {module} import {alias.name} not allowed")
             else:
                 self.bad(node, f"from {module} import {alias.name} not allowed")
@@ -820,6 +835,9 @@ class _Checker:
                 self.bad(sub, f"name {sub.id} not allowed")
             elif isinstance(sub, ast.Attribute) and (sub.attr in HOST_FORBIDDEN_ATTRS or _private(sub.attr)):
                 self.bad(sub, f"attribute .{sub.attr} not allowed")
+            elif isinstance(sub, ast.Attribute) and sub.attr in _module_attrs():
+                self.bad(sub, f"attribute .{sub.attr} not allowed (a module held by a module host code may "
+                              "import: import what you need at top level)")
             elif isinstance(sub, ast.ClassDef):
                 self.bad(sub, "class definitions not allowed")
             elif isinstance(sub, ast.Match):
