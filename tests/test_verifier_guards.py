@@ -284,6 +284,26 @@ def test_a_file_of_gigabytes_is_refused_without_being_read_whole(tmp_path):
     assert out.stdout.split() == ["static", "file", "larger", "than", "524288", "bytes", "16"], out.stdout
 
 
+def test_a_failure_deep_in_nested_jit_calls_is_one_short_message():
+    """Triton's interpreter wraps an exception from a nested jit call as InterpreterError(repr(e))
+    at every level, doubling the backslashes each time: a failure under 48 nested helpers built a
+    message of 2^48 bytes in the trusted executor, which took what memory the host had. Under a
+    4 GiB address-space limit the verdict names the failure at the bottom, soon."""
+    import subprocess
+    import sys
+
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+            "from kernelsearch.harness import evaluate\n"
+            "v = evaluate('rmsnorm', sys.argv[1], device='cpu', shapes=[{'M': 2, 'N': 64}], time_it=False, "
+            "timeout_s=60)\nprint(v.guard, v.reason[:300])\n")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code, str(CANDIDATES / "hack_nested_error_bomb.py")],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("exception ") and "Unsupported ptr type" in out.stdout, out.stdout[:600]
+    assert time.monotonic() - started < 120
+
+
 def test_a_file_of_thousands_of_kernels_is_refused_at_once():
     """Each kernel's check rebuilt the table of triton.language names and the set of every other
     kernel's name, and the generated module's store analysis went round all kernels once per link

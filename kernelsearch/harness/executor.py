@@ -103,6 +103,30 @@ def _install_interpreter_guard() -> None:
     if not isinstance(interpreter._interpreter, _GuardedInterpreter):
         interpreter._interpreter = _GuardedInterpreter(interpreter._interpreter)
     _shuffle_program_order(interpreter.interpreter_builder)
+    _unwrap_device_call_errors(interpreter)
+
+
+def _unwrap_device_call_errors(interpreter) -> None:
+    """Let an exception raised in a jit function called from a kernel pass through each call
+    unwrapped. The interpreter wraps it as InterpreterError(repr(e)) at every level, and repr
+    doubles the backslashes escaping the level below's quotes: a failure at the bottom of a
+    chain of 48 calls was a message of 2^48 bytes, built in this process until the host's
+    memory ran out (a recursive helper grew it the same way until the deadline)."""
+    cls = interpreter.InterpretedFunction
+    if getattr(cls.__call__, "_hwtune_unwrapped", False):
+        return
+    real = cls.__call__
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return real(self, *args, **kwargs)
+        except interpreter.InterpreterError as exc:
+            if exc.__cause__ is None:
+                raise
+            raise exc.__cause__ from None
+
+    __call__._hwtune_unwrapped = True
+    cls.__call__ = __call__
 
 
 def _shuffle_program_order(builder) -> None:
