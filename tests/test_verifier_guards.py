@@ -84,6 +84,14 @@ def test_a_forged_verdict_printed_by_launch_changes_nothing():
     rejected(check("hack_forge_reply"), "unwritten_output", "poison")
 
 
+def test_a_reason_from_the_sandbox_is_one_line():
+    """launch()'s exception message is part of the reason check-kernel prints: one with newlines
+    printed, after the rejection, a line saying the file was accepted."""
+    v = check("hack_forge_verdict_line")
+    rejected(v, "exception", "accepted (params {})")
+    assert "\n" not in v.reason and "\r" not in v.reason, v.reason
+
+
 @pytest.mark.parametrize("bad, guard", [
     ({"buffers": {}, "steps": [{"op": "launch", "kernel": "print", "grid": [1], "args": {}, "options": {}}]}, "plan"),
     ({"buffers": {}, "steps": []}, "not_triton"),

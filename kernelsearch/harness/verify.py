@@ -130,12 +130,12 @@ class Session:
         if isinstance(isolation, list) and all(isinstance(x, str) for x in isolation):
             self.isolation = isolation or self.isolation
         if reply.get("leftover"):
-            names = ", ".join(f"{p['comm']}[{p['pid']}]" for p in reply["leftover"][:5])
+            names = _one_line(", ".join(f"{p['comm']}[{p['pid']}]" for p in reply["leftover"][:5]))
             self.failure = ("left_process", f"the host code left process(es) running after launch(): {names} "
                                             "(killed)")
             return
         if not reply.get("ok"):
-            self.failure = (reply.get("guard") or "exception", reply.get("reason", "sandbox failed"))
+            self.failure = (reply.get("guard") or "exception", _one_line(reply.get("reason", "sandbox failed")))
             return
         # written by the sandbox, where the candidate's code ran: data to check like a plan
         params, plans = reply.get("params"), reply.get("plans")
@@ -238,7 +238,7 @@ class Session:
         label = f"shape {spec.describe(dims)} {dtype}" + (" (drawn at random)" if is_random else "")
         if "error" in raw_plan:
             verdict.guard = raw_plan.get("guard") if raw_plan.get("guard") in ("plan", "exception") else "plan"
-            verdict.reason = f"{label}: launch() while planning: {raw_plan['error']}"
+            verdict.reason = f"{label}: launch() while planning: {_one_line(raw_plan['error'])}"
             result.status = "rejected"
             return False
         reply = ex.request({"op": "case", "sha": sha, "kernel": spec.name, "shape": dims, "dtype": dtype,
@@ -277,6 +277,13 @@ class Session:
                 return math.inf, math.inf
             _stock_cache[key] = (reply["stock_ms"], reply["noise_band"])
         return _stock_cache[key]
+
+
+def _one_line(text) -> str:
+    """Text the sandbox wrote (the candidate's exception messages, process names) as one line:
+    printed as a verdict's reason, its newlines made lines of check-kernel's output (a forged
+    'accepted' line after the rejection)."""
+    return " ".join(str(text).split())
 
 
 def _configs_and_space(configs, space) -> tuple:
