@@ -119,7 +119,8 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "no call counter); a buffer kept across calls must be torch.zeros and left all-zero.",
              "- kernel bodies: triton.language (tl.* and tl.math.*), arithmetic, comparisons, "
              "if/for/while, their parameters and locals, the file's other kernels, constexpr "
-             "literals, range/min/max/float/int; no other module, no dunder names, no lambda, "
+             "literals, range/min/max/float/int; parameter defaults only numbers, strings, bools, "
+             "None or tuples of them; no other module, no dunder names, no lambda, "
              "no tl.inline_asm_elementwise or tl.device_print, no name starting with _hwtune "
              "(the harness's); at most 64 @triton.jit functions a file. On sm_90+ the harness "
              "launches every kernel with programmatic dependent launch and "

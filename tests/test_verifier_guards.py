@@ -162,6 +162,7 @@ def test_plan_arguments_are_checked_against_the_kernel_signature():
     ("hack_typing_sys", [".sys"]),
     ("hack_tl_math_wraps", ["tl.math.wraps is not an allowed"]),
     ("hack_device_print_flood", ["tl.device_print is not an allowed"]),
+    ("hack_default_list_state", ["default of CALLS must be a literal"]),
 ])
 def test_compute_outside_triton_is_refused_by_the_allowlist(name, words):
     rejected(check(name), "static", *words)

@@ -764,8 +764,11 @@ class _Checker:
                 elif "constexpr" in ast.unparse(a.annotation):
                     constexprs.append(a.arg)
         for a, d in zip(args.args[len(args.args) - len(args.defaults):], args.defaults):
-            if not _is_literal(d):
-                self.bad(d, f"kernel {fn.name}: default of {a.arg} must be a literal")
+            if not _is_literal(d) or any(isinstance(n, (ast.List, ast.Dict, ast.Set)) for n in ast.walk(d)):
+                # a list default is one object for every call: the kernel's .sort() kept state
+                # in it from one call to the next, in the trusted process
+                self.bad(d, f"kernel {fn.name}: default of {a.arg} must be a literal (a number, string, "
+                            "bool, None or a tuple of them)")
             else:
                 default_values.append((a.arg, ast.literal_eval(d)))
             defaults.append(a.arg)
