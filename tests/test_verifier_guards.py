@@ -402,6 +402,27 @@ def test_candidate_right_only_on_published_widths_fails_on_the_shape_drawn_at_ra
     assert all(s.status == "ok" for s in v.shapes if not s.random)
 
 
+@pytest.mark.parametrize("kernel", ["rmsnorm", "add_rmsnorm", "softmax", "swiglu"])
+def test_the_cpu_shape_drawn_at_random_reaches_past_the_published_sizes(kernel):
+    """Drawn below the published sweep's largest sizes (M 1..6 against 33, N 1..700 against
+    3000), the random shape left every size between unchecked on the CPU."""
+    import random
+
+    spec = SPECS[kernel]
+    rng = random.Random(0)
+    draws = [spec.random_shape(rng, "cpu") for _ in range(300)]
+    for dim in draws[0]:
+        assert max(d[dim] for d in draws) > max(s[dim] for s in spec.shapes("cpu")), dim
+
+
+def test_candidate_right_only_on_the_rows_the_cpu_drew_fails():
+    for _ in range(6):   # M drawn past 6 and not 33: 82% of draws
+        v = check("hack_rows_between", shapes=SMALL)
+        if not v.accepted:
+            break
+    rejected(v, "unwritten_output", "drawn at random")
+
+
 def test_candidate_right_only_for_small_rows_fails_on_the_wide_shape():
     v = check("hack_small_only", shapes=[{"M": 1, "N": 128}, {"M": 4, "N": 3000}])
     rejected(v, "correctness", "N=3000")
