@@ -72,7 +72,7 @@ class DecodeAttentionSpec(KernelSpec):
         hkv = rng.choice([1, 2, 4])
         if device == "cpu":
             return {"B": rng.randint(1, 3), "Hq": hkv * rng.choice([1, 2, 4]), "Hkv": hkv,
-                    "S": rng.randint(1, 150), "D": rng.choice([16, 32])}
+                    "S": rng.randint(1, 300), "D": rng.choice([16, 32, 64])}
         return {"B": rng.randint(1, 8), "Hq": hkv * rng.choice([1, 4, 8]), "Hkv": hkv,
                 "S": rng.randint(1, 3000), "D": rng.choice([64, 128])}
 

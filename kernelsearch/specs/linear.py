@@ -44,7 +44,7 @@ class LinearSpec(KernelSpec):
 
     def random_shape(self, rng, device):
         if device == "cpu":
-            return {"M": rng.randint(1, 20), "K": rng.randint(1, 150), "N": rng.randint(1, 150)}
+            return {"M": rng.randint(1, 40), "K": rng.randint(1, 150), "N": rng.randint(1, 300)}
         return {"M": rng.choice([rng.randint(1, 32), rng.randint(33, 600)]),
                 "K": rng.randint(1, 3000), "N": rng.randint(1, 3000)}
 

@@ -40,7 +40,7 @@ class MatmulSpec(KernelSpec):
 
     def random_shape(self, rng, device):
         if device == "cpu":
-            return {"M": rng.randint(1, 20), "K": rng.randint(1, 150), "N": rng.randint(1, 150)}
+            return {"M": rng.randint(1, 40), "K": rng.randint(1, 150), "N": rng.randint(1, 300)}
         return {"M": rng.choice([rng.randint(1, 16), rng.randint(17, 600)]),
                 "K": rng.randint(1, 3000), "N": rng.randint(1, 3000)}
 

@@ -81,7 +81,7 @@ class RmsNormQkvRopeSpec(KernelSpec):
     def random_shape(self, rng, device):
         if device == "cpu":
             return {"B": rng.randint(1, 10), "K": rng.randint(1, 120), "Hq": rng.randint(1, 6),
-                    "Hkv": rng.randint(1, 3), "D": 2 * rng.randint(1, 12), "S": rng.randint(1, 10)}
+                    "Hkv": rng.randint(1, 5), "D": 2 * rng.randint(1, 18), "S": rng.randint(1, 10)}
         return {"B": rng.randint(1, 40), "K": rng.randint(1, 5000), "Hq": rng.randint(1, 40),
                 "Hkv": rng.randint(1, 8), "D": 2 * rng.randint(1, 80), "S": rng.randint(1, 3000)}
 

@@ -62,8 +62,8 @@ class RopeSpec(KernelSpec):
 
     def random_shape(self, rng, device):
         if device == "cpu":
-            return {"B": rng.randint(1, 4), "Hq": rng.randint(1, 8), "Hkv": rng.randint(1, 4),
-                    "D": 2 * rng.randint(1, 40)}
+            return {"B": rng.randint(1, 6), "Hq": rng.randint(1, 9), "Hkv": rng.randint(1, 4),
+                    "D": 2 * rng.randint(1, 70)}
         return {"B": rng.randint(1, 64), "Hq": rng.randint(1, 64), "Hkv": rng.randint(1, 16),
                 "D": 2 * rng.randint(1, 128)}
 

@@ -73,7 +73,7 @@ class RopeKvAttentionSpec(KernelSpec):
         hkv = rng.choice([1, 2, 4])
         if device == "cpu":
             return {"B": rng.randint(1, 3), "Hq": hkv * rng.choice([1, 2, 4]), "Hkv": hkv,
-                    "D": rng.choice([8, 16, 32]), "S": rng.randint(1, 150)}
+                    "D": rng.choice([8, 16, 32, 64]), "S": rng.randint(1, 300)}
         return {"B": rng.randint(1, 8), "Hq": hkv * rng.choice([1, 4, 8]), "Hkv": hkv,
                 "D": rng.choice([64, 128]), "S": rng.randint(1, 3000)}
 

@@ -72,8 +72,8 @@ class RopeKvWriteSpec(KernelSpec):
 
     def random_shape(self, rng, device):
         if device == "cpu":
-            return {"B": rng.randint(1, 4), "Hq": rng.randint(1, 6), "Hkv": rng.randint(1, 3),
-                    "D": 2 * rng.randint(1, 24), "S": rng.randint(1, 12)}
+            return {"B": rng.randint(1, 6), "Hq": rng.randint(1, 9), "Hkv": rng.randint(1, 4),
+                    "D": 2 * rng.randint(1, 34), "S": rng.randint(1, 20)}
         return {"B": rng.randint(1, 64), "Hq": rng.randint(1, 64), "Hkv": rng.randint(1, 16),
                 "D": 2 * rng.randint(1, 128), "S": rng.randint(1, 4096)}
 
