@@ -129,6 +129,9 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "only compute offsets and load those may have them run before the wait: load the "
              "first weight tile at the top, before anything that reads an activation; this op's "
              f"static inputs: {', '.join(getattr(spec, 'static_inputs', ())) or 'none'}).",
+             "- a launch's programs run in any order, on the CPU too (the interpreter draws one per "
+             "launch): no program may read what another wrote in the same launch, bar through "
+             "atomics (an arrival counter).",
              "- every output element written on every call (outputs are poisoned with NaN, huge "
              "or random values), inputs untouched, nothing outside the buffers (canaries), "
              "deterministic, capturable in a CUDA graph; it is checked on one extra shape drawn "
