@@ -313,6 +313,33 @@ def test_a_failure_deep_in_nested_jit_calls_is_one_short_message():
     assert time.monotonic() - started < 120
 
 
+def test_the_cpu_executor_runs_under_a_data_limit():
+    """Under the interpreter a kernel's body is Python run in the executor, and Python values
+    (a string doubled in a loop) have no tensor-size limit: hack_string_doubling took what memory
+    the host had. The CPU executor now has a data limit: the same kernel is out of memory there.
+    (Run under a 6 GiB address-space limit, so that a harness without the limit harms nothing.)"""
+    import subprocess
+    import sys
+
+    from kernelsearch.harness import executor, runner
+
+    ex = runner.ExecutorProcess("cpu")
+    try:
+        ex.request({"op": "load", "source": (CANDIDATES / "honest_rmsnorm.py").read_text()}, 300)
+        limits = Path(f"/proc/{ex.proc.pid}/limits").read_text()
+    finally:
+        ex.close()
+    line = next(l for l in limits.splitlines() if l.startswith("Max data size"))
+    assert line.split()[3] == str(executor.CPU_DATA_LIMIT_BYTES), line
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
+            "from kernelsearch.harness import evaluate\n"
+            "v = evaluate('rmsnorm', sys.argv[1], device='cpu', shapes=[{'M': 2, 'N': 64}], time_it=False, "
+            "timeout_s=60)\nprint(v.guard, v.reason[:300])\n")
+    out = subprocess.run([sys.executable, "-c", code, str(CANDIDATES / "hack_string_doubling.py")],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent)
+    assert out.stdout.startswith("out_of_memory ") and "MemoryError" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
 def test_a_file_of_thousands_of_kernels_is_refused_at_once():
     """Each kernel's check rebuilt the table of triton.language names and the set of every other
     kernel's name, and the generated module's store analysis went round all kernels once per link

@@ -34,6 +34,11 @@ DETERMINISM_BAND = 0.05      # run-to-run difference allowed, as a fraction of t
 SLOT_MEMORY_BUDGET = 8 << 30  # bytes of buffers for the graph's calls (n copies of everything)
 POISONS = ("nan", "huge", "random")
 FULL_CHECKS = 3               # timed replays whose every call is checked (one call of the others)
+# The CPU executor's data (heap) limit. Under the interpreter a kernel's body is Python run here,
+# and Python values grow without Triton's tensor-size limit: a string doubled in a loop took
+# what memory the host had before any deadline. The CPU sweep's buffers and a 1 GiB workspace fit
+# well inside (torch itself: ~0.3 GiB). Not on CUDA: its driver's mappings count here too.
+CPU_DATA_LIMIT_BYTES = 4 << 30
 
 
 class Reject(Exception):
@@ -578,6 +583,8 @@ class Executor:
             seen.add(id(cause))
             if isinstance(cause, OutOfBounds):
                 return Reject("out_of_bounds", f"{where}: {cause}")
+            if isinstance(cause, MemoryError):   # the CPU executor's data limit, under the interpreter
+                return Reject("out_of_memory", f"{where}: {_short(exc)}")
             cause = cause.__cause__ or cause.__context__
         text = _short(exc)
         if isinstance(exc, MemoryError) or "out of memory" in text.lower():
@@ -767,8 +774,20 @@ def _short(exc: BaseException) -> str:
     return " ".join(text.split())[:600]
 
 
+def _limit_data(nbytes: int) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        nbytes = min(nbytes, hard)
+    if soft == resource.RLIM_INFINITY or soft > nbytes:
+        resource.setrlimit(resource.RLIMIT_DATA, (nbytes, hard))
+
+
 def main(argv: list[str]) -> int:
     fd_in, fd_out, device = int(argv[0]), int(argv[1]), argv[2]
+    if not device.startswith("cuda"):
+        _limit_data(CPU_DATA_LIMIT_BYTES)
     requests, replies = os.fdopen(fd_in, "r"), os.fdopen(fd_out, "w")
 
     def reply(msg):
