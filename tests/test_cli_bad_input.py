@@ -380,6 +380,22 @@ def test_a_typo_in_a_command_option_or_choice_names_the_one_meant(tmp_path, argv
     assert "did you mean" not in run_hwtune("search", "rmsnorm", "--device", "gpu").stderr  # not 'cpu'
 
 
+@pytest.mark.parametrize("argv,line", [
+    (("search", "rmsnrm"), "hwtune search: unknown kernel 'rmsnrm'; did you mean rmsnorm?"),
+    (("check-kernel", "decode_atention", "{cand}"), "hwtune check-kernel: unknown kernel 'decode_atention'; "
+                                                    "did you mean decode_attention?"),
+    (("share", "export", "--kernel", "sofmax"), "hwtune share: --kernel sofmax: no such kernel; did you mean softmax?"),
+])
+def test_a_mistyped_kernel_name_names_the_kernel_meant(tmp_path, argv, line):
+    # Before: search and check-kernel listed all fourteen kernels, share export too, with no suggestion
+    # (tune --kernels already gave one).
+    cand = tmp_path / "cand.py"
+    cand.write_text("def launch(x, weight, eps, out):\n    pass\n")
+    argv = [str(a).replace("{cand}", str(cand)) for a in argv]
+    got = one_line(run_hwtune("--state-dir", tmp_path / "state", *argv), line)
+    assert "rmsnorm_linear" in got   # the kernels known are still listed
+
+
 @pytest.mark.parametrize("command,why", [("", "--command is empty"), ('"unterminated', "No closing quotation"),
                                          ("/nonexistent-prog --x", "/nonexistent-prog: no such program"),
                                          ("{tmp}", "{tmp}: no such program, or not an executable file")])

@@ -18,6 +18,22 @@ from hwtune.errors import UsageError
 KERNEL_HELP = "spec name: rmsnorm, add_rmsnorm, softmax, matmul, linear, swiglu, rope, rope_kv_write, decode_attention, rope_kv_attention, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_gate_up_swiglu, linear_residual"
 
 
+def did_you_mean(kernel: str) -> str:
+    """'; did you mean rmsnorm?' for a mistyped kernel name (rmsnrm), else ''."""
+    import difflib
+
+    from kernelsearch.specs import SPECS
+
+    near = difflib.get_close_matches(kernel, list(SPECS), n=1)
+    return f"; did you mean {near[0]}?" if near else ""
+
+
+def unknown_kernel(kernel: str) -> UsageError:
+    from kernelsearch.specs import SPECS
+
+    return UsageError(f"unknown kernel {kernel!r}{did_you_mean(kernel)} (expected one of {', '.join(SPECS)})")
+
+
 def add_check_kernel_arguments(p) -> None:
     p.add_argument("kernel", help=KERNEL_HELP)
     p.add_argument("file", type=Path, help="candidate Triton file defining launch(...)")
@@ -63,7 +79,7 @@ def run_check_kernel(args, ctx) -> int:
     from kernelsearch.specs import DTYPES, SPECS
 
     if args.kernel not in SPECS:
-        raise UsageError(f"unknown kernel {args.kernel!r}: expected one of {', '.join(SPECS)}")
+        raise unknown_kernel(args.kernel)
     if not args.file.is_file():
         raise UsageError(f"{args.file}: " + ("a directory, not a candidate file" if args.file.is_dir()
                                              else "not a regular file" if args.file.exists()   # a FIFO, /dev/null

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from daemon.device import DEVICE_HELP, resolve_device
-from daemon.commands.kernels import KERNEL_HELP
+from daemon.commands.kernels import KERNEL_HELP, unknown_kernel
 from hwtune.errors import HwtuneError, UsageError
 
 STRATEGIES = ("grid", "random", "optuna", "evolution", "agent")
@@ -128,7 +128,7 @@ def run_search(args, ctx) -> int:
     from kernelsearch.specs import DTYPES, SPECS
 
     if args.kernel not in SPECS:
-        raise UsageError(f"unknown kernel {args.kernel!r}: expected one of {', '.join(SPECS)}")
+        raise unknown_kernel(args.kernel)
     # the harness turns a dtype name into a torch dtype deep inside an evaluation: a bad name
     # would end the search with a traceback instead of a usage error
     for where, name in [("--dtype", args.dtype)] + [(f"--shape dtype", s.get("dtype")) for s in args.shape or []]:

@@ -74,7 +74,10 @@ def run_share(args, ctx) -> int:
             from kernelsearch.specs import SPECS
 
             if args.kernel not in SPECS:
-                raise UsageError(f"--kernel {args.kernel}: no such kernel (known: {', '.join(SPECS)})")
+                from daemon.commands.kernels import did_you_mean
+
+                raise UsageError(f"--kernel {args.kernel}: no such kernel{did_you_mean(args.kernel)} "
+                                 f"(known: {', '.join(SPECS)})")
         local = None if args.fingerprint else _local_fingerprint(args.device)
         ctx.ensure_state_dir()  # the ledger lives there (opening it creates it)
         fp_id = args.fingerprint or fingerprint_id(local)
