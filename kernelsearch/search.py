@@ -136,9 +136,10 @@ def _shape_key(shape: dict) -> str:
 
 
 def parse_budget(text) -> int:
-    if isinstance(text, int):
-        return text
-    return BUDGETS[text] if text in BUDGETS else int(text)
+    """A number or small|medium|large|all. A number beyond `all` is all (a budget is recorded in
+    the ledger, whose SQLite integers stop at 2**63 - 1)."""
+    n = text if isinstance(text, int) else BUDGETS[text] if text in BUDGETS else int(text)
+    return min(n, BUDGETS["all"])
 
 
 def template_candidate(kernel: str, source_path: Path | None = None, device: str = "cpu",

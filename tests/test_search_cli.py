@@ -151,6 +151,19 @@ def test_a_kept_step_kernel_points_to_the_step_judge_and_nothing_else_does():
     assert hint not in _table(_result("matmul", "cuda", True))
 
 
+def test_a_budget_larger_than_every_point_is_all_of_them_not_a_traceback(tmp_path):
+    # Before: the search ran, then recording it in the ledger was an OverflowError traceback, exit 1.
+    src = tmp_path / "one_config.py"
+    src.write_text((ROOT / "tests" / "candidates" / "hack_fixed_eps.py").read_text())
+    proc = run_hwtune("--state-dir", tmp_path / "s", "search", "rmsnorm", "--device", "cpu",
+                      "--budget", "99999999999999999999", "--shape", "M=1,N=128", "--source", src,
+                      "--json", timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert json.loads(proc.stdout)["evaluations"] == 1
+    budget, = sqlite3.connect(tmp_path / "s" / "ledger.sqlite").execute("SELECT budget FROM searches").fetchone()
+    assert budget == 10**9   # --budget all
+
+
 def test_resume_puts_no_kernel_in_the_table_on_a_ledger_rows_word_alone(tmp_path):
     """--resume planned a winner resumed from the ledger without verifying it, so a row saying a
     wrong kernel was accepted (a share-import bundle's rows are stored as given) put that kernel
