@@ -338,6 +338,36 @@ def test_ctrl_c_in_the_kernel_phase_of_tune_prints_the_exact_rollback_command(tm
     assert status_json(sim) == original
 
 
+@pytest.mark.parametrize("signo", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_tune_alone_ends_its_kernel_search_before_the_tune_exits(tmp_path, signo):
+    """`kill PID` (or -INT) reaches the tune, not its search child: the tune exited and said
+    'interrupted' while the search ran on, its executor folder still in /tmp."""
+    import psutil
+
+    sim = make_sim(tmp_path)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--sim", str(sim), "tune", "--budget", "3",
+                             "--kernels", "rmsnorm", "--kernel-budget", "large"], cwd=ROOT,
+                            env=dict(_env(), TMPDIR=str(tmp)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "rmsnorm: [1 " in line:   # the search is evaluating: its executor is running
+            break
+    else:
+        raise AssertionError("".join(lines))
+    search = psutil.Process(proc.pid).children()
+    assert search, "".join(lines)
+    proc.send_signal(signo)
+    _, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 128 + signo, err
+    _no_traceback(err)
+    assert not [p for p in search if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert list(tmp.iterdir()) == []
+
+
 def test_ctrl_c_in_the_demo_restores_the_host_and_says_how(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "demo", "--simulated", "--out", str(out)], cwd=ROOT,
