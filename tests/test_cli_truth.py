@@ -41,6 +41,17 @@ BIOS_PROFILE = "bios:\n  source: redfish\n  expect: {PowerProfile: MaxPerf}\n"
 
 
 @pytest.mark.skipif(_nvml_present(), reason="NVML is present: the 'NVML unavailable' case cannot happen here")
+def test_status_on_a_host_without_a_gpu_points_to_the_demo_and_the_simulated_host(tmp_path):
+    # Before: 'gpus: none (NVML unavailable: NVML Shared Library Not Found)' and nothing on what to do.
+    proc = run_hwtune("--state-dir", tmp_path / "state", "status")
+    _no_traceback(proc)
+    assert proc.returncode == 0 and "gpus: none (NVML unavailable" in proc.stdout
+    hint = _messages(proc)
+    assert len(hint) == 1 and "hwtune demo" in hint[0] and "hwtune --sim host.json status" in hint[0]
+    assert "hwtune demo" not in run_hwtune("--state-dir", tmp_path / "state", "status", "--json").stderr
+
+
+@pytest.mark.skipif(_nvml_present(), reason="NVML is present: the 'NVML unavailable' case cannot happen here")
 def test_gpu_section_without_nvml_is_a_warning_in_plan_and_apply_and_a_failure_in_verify(tmp_path):
     root = build(tmp_path / "root")
     prof = write_profile(tmp_path, "g", GPU_PROFILE)

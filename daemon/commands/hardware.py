@@ -167,6 +167,9 @@ def run_status(args, ctx) -> int:
         _emit(s)
     else:
         _print_status(s, ctx.sim_path)
+        if s["host"]["kind"] == "real" and s.get("gpu_error") and not s["gpus"]:
+            print("no NVIDIA GPU or driver here: `hwtune demo` runs the whole cycle on a simulated H200 "
+                  "host; or `hwtune sim init host.json`, then `hwtune --sim host.json status`", file=sys.stderr)
     return 0
 
 
