@@ -65,6 +65,21 @@ def test_rejected_candidate_exits_1_naming_the_guard():
     assert "REJECTED by guard unwritten_output" in proc.stderr
 
 
+@pytest.mark.parametrize("text,why", [(b"def launch(:\n", "line 1: not valid Python"),
+                                      (b"", "no @triton.jit kernel defined"),
+                                      (b"\x7fELF\x02\x01\x01\x00\xff\xfe", "the file is not UTF-8 text")])
+def test_a_file_that_is_not_a_kernel_is_one_line_naming_why(tmp_path, text, why):
+    # Before: an empty table (its header and the speedup note) on stdout above the reason.
+    cand = tmp_path / "cand.py"
+    cand.write_bytes(text)
+    proc = run_hwtune("check-kernel", "rmsnorm", cand, "--device", "cpu", timeout=600)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [f"check-kernel rmsnorm {cand}: REJECTED by guard static: "
+                                        + proc.stderr.split("static: ", 1)[1].strip()]
+    assert why in proc.stderr
+
+
 def test_params_override_and_bad_input_exit_2(tmp_path):
     proc = run_hwtune("check-kernel", "matmul", CANDIDATES / "honest_matmul.py", "--json", "--no-time",
                       "--params", '{"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16}', timeout=600)

@@ -103,7 +103,7 @@ def run_check_kernel(args, ctx) -> int:
     if args.json:
         json.dump(verdict.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
-    else:
+    elif verdict.shapes:   # a file refused before any shape ran (not Python, empty) has no table
         _print_table(verdict, sys.stdout)
     if verdict.accepted:
         print(f"check-kernel {args.kernel} {args.file}: accepted (params {json.dumps(verdict.params)})",
