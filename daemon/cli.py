@@ -140,6 +140,32 @@ def _misplaced(argv: list[str], extra: list[str]) -> str | None:
     return f"{moved[0]} is a global option: global options go before the command: {fixed}"
 
 
+def _before_command(argv: list[str], parser) -> str | None:
+    """An option of the command written before it (`hwtune -p throughput plan`): argparse took
+    its value for the command ('invalid choice: throughput'); say where it goes instead."""
+    from daemon.context import GLOBAL_OPTIONS
+
+    n = 0
+    while n < len(argv) and argv[n].startswith("-") and argv[n] != "--":
+        name = argv[n].split("=", 1)[0]
+        if name not in GLOBAL_OPTIONS:
+            break
+        n += 1 + (GLOBAL_OPTIONS[name] and "=" not in argv[n])
+    if n >= len(argv) or not argv[n].startswith("-") or argv[n] in ("-h", "--help", "--version", "--"):
+        return None
+    commands = [i for i in range(n + 1, len(argv)) if argv[i] in parser.command_parsers]
+    if not commands:
+        return None
+    command = argv[commands[0]]
+    name = argv[n].split("=", 1)[0]
+    own = {o: a for a in parser.command_parsers[command]._actions for o in a.option_strings}
+    if name not in own:
+        return None
+    moved = argv[n:commands[0]]
+    fixed = " ".join(["hwtune", *argv[:n], command, *moved, *argv[commands[0] + 1:]])
+    return f"hwtune {command}: {name} is an option of {command}: it goes after the command: {fixed}"
+
+
 def _quiet_broken_pipe() -> None:
     """The reader went away (`hwtune status | head -3`): drop what is left of our output
     instead of a BrokenPipeError at exit."""
@@ -201,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     _lenient_output()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    early = _before_command(argv, parser)
+    if early:
+        if "--json" in argv:
+            _json_error(_Watched(sys.stdout), early, 2)
+        parser.exit(2, f"{early} (see {early.split(':')[0]} --help)\n")
     try:
         args, extra = parser.parse_known_args(argv)
     except SystemExit as exc:

@@ -208,6 +208,14 @@ def test_share_export_to_a_directory_or_under_a_missing_one_is_one_line(tmp_path
     (("status", "--state-dir={sim}.s"), "hwtune status: --state-dir={sim}.s is a global option"),
     (("--json", "status"), "hwtune status: --json is an option of status: it goes after the command"),
     (("search", "rmsnorm", "--device", "gpu"), "hwtune search: argument --device: invalid choice: 'gpu'"),
+    # before: argparse took the option's value for the command ("invalid choice: 'throughput'")
+    (("-p", "throughput", "plan"), "hwtune plan: -p is an option of plan: it goes after the command: "
+                                   "hwtune plan -p throughput"),
+    (("--sim", "{sim}", "--budget", "2", "tune"), "hwtune tune: --budget is an option of tune: it goes after the "
+                                                  "command: hwtune --sim {sim} tune --budget 2"),
+    # before: "unknown kernel 'cand.py'"
+    (("check-kernel", "{sim}", "rmsnorm"), "hwtune check-kernel: the kernel goes first, then the file: "
+                                          "hwtune check-kernel rmsnorm {sim}"),
 ])
 def test_a_misplaced_or_bad_option_says_where_it_goes_in_one_line(tmp_path, argv, hint):
     sim = make_sim(tmp_path)

@@ -79,6 +79,8 @@ def run_check_kernel(args, ctx) -> int:
     from kernelsearch.specs import DTYPES, SPECS
 
     if args.kernel not in SPECS:
+        if str(args.file) in SPECS:   # hwtune check-kernel cand.py rmsnorm
+            raise UsageError(f"the kernel goes first, then the file: hwtune check-kernel {args.file} {args.kernel}")
         raise unknown_kernel(args.kernel)
     if not args.file.is_file():
         raise UsageError(f"{args.file}: " + ("a directory, not a candidate file" if args.file.is_dir()
