@@ -213,3 +213,29 @@ def test_sigterm_ends_a_pool_search_as_ctrl_c_does_exit_143_and_leaves_nothing_b
     db = sqlite3.connect(tmp_path / "s" / "ledger.sqlite")
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     db.close()
+
+
+def test_ctrl_c_says_what_the_search_kept_and_how_to_go_on_as_sigterm_does(tmp_path):
+    # Before: 'hwtune search: interrupted' and nothing on the ledger, the table or --resume.
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HWTUNE_READ_ONLY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--state-dir", str(tmp_path / "s"), "search",
+                             "rmsnorm", "--device", "cpu", "--budget", "3", "--shape", "M=1,N=128",
+                             "--shape", "M=2,N=256", "--json"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("[1 "):   # an evaluation done, the next running
+            proc.send_signal(signal.SIGINT)
+            break
+    out, err = proc.communicate(timeout=120)
+    err = "".join(seen) + err
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("hwtune search: interrupted by SIGINT: ") and "--resume" in last
+    assert json.loads(out)["exit_code"] == 130

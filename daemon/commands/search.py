@@ -192,7 +192,10 @@ def run_search(args, ctx) -> int:
     # removed, a transaction or a table being written rolled back, one line (and --json document)
     old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        result = _search(args, ctx, scale_out, budget, device, agent)
+        try:
+            result = _search(args, ctx, scale_out, budget, device, agent)
+        except KeyboardInterrupt:   # Ctrl-C: said as SIGTERM's is, where to go on from
+            raise _Stop(signal.SIGINT) from None
     except _Stop as exc:
         from hwtune import signals
 
