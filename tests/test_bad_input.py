@@ -378,3 +378,14 @@ def test_sim_init_makes_only_hosts_every_command_can_read(tmp_path):
         assert not (tmp_path / "big.json").exists()
     demo = run_hwtune("demo", "--gpus", "100", "--out", tmp_path / "demo")
     assert _one_line_error(demo, 2) == "hwtune demo: --gpus 100: 1 to 64" and not (tmp_path / "demo").exists()
+
+
+def test_demo_gpus_that_an_earlier_demos_host_does_not_have_is_refused_not_ignored(tmp_path):
+    # Before: the demo reused hwtune-demo/host.json (sim init skipped) and --gpus 4 was ignored unsaid.
+    out = tmp_path / "demo"
+    run_hwtune("sim", "init", out / "host.json", "--gpus", "2", check=True)
+    before = (out / "host.json").read_text()
+    demo = run_hwtune("demo", "--gpus", "4", "--out", out)
+    assert _one_line_error(demo, 2) == (f"hwtune demo: --gpus 4: the simulated host {out / 'host.json'} has 2 "
+                                        "GPU(s) and the demo uses it as it is; remove it, or choose another --out, for 4")
+    assert (out / "host.json").read_text() == before and not (out / "logs").exists()

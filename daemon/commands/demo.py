@@ -27,8 +27,9 @@ def add_demo_arguments(p) -> None:
                    help="work directory for the simulated host, state and report (default ./hwtune-demo)")
     p.add_argument("--simulated", action="store_true",
                    help="use a simulated host even when a GPU is present")
-    p.add_argument("--gpus", type=int, default=DEFAULT_GPUS,
-                   help=f"GPUs of the simulated host (default {DEFAULT_GPUS}, as `hwtune sim init`)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help=f"GPUs of the simulated host (default {DEFAULT_GPUS}, as `hwtune sim init`; a host "
+                        "file an earlier demo left in --out keeps its own)")
     p.add_argument("--profile", default="throughput", help="profile to plan/apply (default throughput)")
     p.add_argument("--keep", action="store_true",
                    help="keep the tuned settings at the end instead of rolling back")
@@ -157,12 +158,25 @@ def _restore_after_interrupt(r: "_Runner") -> int:
 
 def run_demo(args, ctx) -> int:
     from daemon.context import ensure_writable_dir
-    from hwtune.backends.sim import MAX_GPUS
+    from hwtune.backends.sim import DEFAULT_GPUS, MAX_GPUS
     from hwtune.errors import UsageError
 
-    if not 1 <= args.gpus <= MAX_GPUS:   # before a step runs: sim init would refuse it, then each step after
+    if args.gpus is not None and not 1 <= args.gpus <= MAX_GPUS:   # sim init would refuse it, then each step after
         raise UsageError(f"--gpus {args.gpus}: 1 to {MAX_GPUS}")
     out = args.out.resolve()
+    earlier = Path(ctx.sim_path) if ctx.sim_path else out / "host.json"
+    if args.gpus is not None and earlier.is_file():
+        # the demo reuses that host (sim init is skipped): --gpus would be ignored unsaid
+        try:
+            has = len(json.loads(earlier.read_text()).get("gpus", []))
+        except (OSError, ValueError, AttributeError, TypeError):
+            has = None   # a broken file: the first step says what is wrong with it
+        if has is not None and has != args.gpus:
+            how = ("leave out --gpus, or give --sim another host file" if ctx.sim_path
+                   else f"remove it, or choose another --out, for {args.gpus}")
+            raise UsageError(f"--gpus {args.gpus}: the simulated host {earlier} has {has} GPU(s) and the demo "
+                             f"uses it as it is; {how}")
+    gpus = args.gpus if args.gpus is not None else DEFAULT_GPUS
     ensure_writable_dir(out, "--out", "choose another with --out DIR")
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
@@ -194,7 +208,7 @@ def run_demo(args, ctx) -> int:
     started = time.monotonic()
 
     if simulated and not (ctx.sim_path or (out / "host.json").exists()):
-        r.run("sim-init", ["sim", "init", str(out / "host.json"), "--gpus", str(args.gpus)])
+        r.run("sim-init", ["sim", "init", str(out / "host.json"), "--gpus", str(gpus)])
     try:
         return _demo_steps(args, ctx, r, out, label, simulated, device, started)
     except KeyboardInterrupt:
