@@ -75,3 +75,13 @@ def test_help_states_the_defaults_of_seed_shapes_prefill_and_out():
     assert "(default 1x2048,8x2048,32x2048,1x8192 on CUDA, 1x32,2x32 on CPU)" in bench
     assert "(default 1x2048 on CUDA, 1x32 on CPU)" in bench
     assert "(default: with --baseline STATE_DIR/bench/<date-time>, else no files" in bench
+
+
+def test_benchmarks_header_names_every_gpu_model_its_sections_ran_on():
+    # Before: "Device for all GPU runs: NVIDIA H200", above sections measured on lent H100s.
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    header = text.split("\n## ", 1)[0]
+    for model in ("H200", "H100"):
+        if re.search(rf"^#+ .*{model}", text, re.M):
+            assert model in header, model
+    assert "all GPU runs" not in header
