@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     _lenient_output()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["help"]:   # `hwtune help [COMMAND]`, as git, pip and docker take it
+        argv = [*argv[1:2], "--help"]
     early = _before_command(argv, parser)
     if early:
         if "--json" in argv:

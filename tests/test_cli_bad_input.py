@@ -231,6 +231,15 @@ def test_version_prints_the_installed_version_and_exits_0():
     assert proc.stdout == f"hwtune {_version()}\n"
 
 
+def test_help_as_a_command_shows_the_help_of_hwtune_or_of_the_command_named():
+    # Before: 'hwtune help' was "invalid choice: 'help'", exit 2.
+    top = run_hwtune("help")
+    assert top.returncode == 0 and top.stdout == run_hwtune("--help").stdout
+    plan = run_hwtune("help", "plan")
+    assert plan.returncode == 0 and plan.stdout.startswith("usage: hwtune plan ")
+    assert run_hwtune("help", "stauts").returncode == 2
+
+
 def test_python_m_hwtune_is_the_hwtune_command(tmp_path):
     # Before: "No module named hwtune.__main__; 'hwtune' is a package and cannot be directly executed".
     from daemon.cli import _version
