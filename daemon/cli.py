@@ -166,6 +166,19 @@ def _before_command(argv: list[str], parser) -> str | None:
     return f"hwtune {command}: {name} is an option of {command}: it goes after the command: {fixed}"
 
 
+def _set_by_environment(args, ctx, message: str, rc: int) -> str:
+    """A refusal caused by an environment variable standing for a global option (an exported
+    HWTUNE_READ_ONLY=1 or HWTUNE_SIM from an earlier session) names it: the command line the
+    user typed does not show it."""
+    from hwtune.errors import ReadOnlyError
+
+    if rc == ReadOnlyError.exit_code and ctx.read_only and not getattr(args, "read_only", False):
+        return f" (HWTUNE_READ_ONLY={os.environ.get('HWTUNE_READ_ONLY')} is set)"
+    if ctx.sim_path is not None and getattr(args, "sim", None) is None and "simulated host" in message:
+        return f" (HWTUNE_SIM={os.environ.get('HWTUNE_SIM')} is set)"
+    return ""
+
+
 def _quiet_broken_pipe() -> None:
     """The reader went away (`hwtune status | head -3`): drop what is left of our output
     instead of a BrokenPipeError at exit."""
@@ -276,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             rc = int(args._run(args, ctx) or 0)
         except HwtuneError as exc:
             rc = exc.exit_code
-            _tell(f"hwtune {args.command}: {exc}")
-            _json_error(out, str(exc), rc)
+            message = str(exc) + _set_by_environment(args, ctx, message=str(exc), rc=rc)
+            _tell(f"hwtune {args.command}: {message}")
+            _json_error(out, message, rc)
         except ModuleNotFoundError as exc:
             extra = EXTRAS.get((exc.name or "").split(".")[0])
             if extra is None:

@@ -240,6 +240,19 @@ def test_help_as_a_command_shows_the_help_of_hwtune_or_of_the_command_named():
     assert run_hwtune("help", "stauts").returncode == 2
 
 
+def test_a_refusal_caused_by_an_exported_environment_variable_names_it(tmp_path):
+    # Before: 'read-only mode: apply refused' and 'simulated host x.json: no such file' for a
+    # command line with neither --read-only nor --sim on it.
+    sim = make_sim(tmp_path)
+    proc = run_hwtune("--sim", sim, "sim", "set", sim, "write_delay_ms=1", env={"HWTUNE_READ_ONLY": "1"})
+    assert proc.returncode == 4 and proc.stderr.strip().endswith("(HWTUNE_READ_ONLY=1 is set)"), proc.stderr
+    assert "HWTUNE_READ_ONLY" not in run_hwtune("--read-only", "sim", "set", sim, "write_delay_ms=1").stderr
+    missing = tmp_path / "gone.json"
+    line = one_line(run_hwtune("status", env={"HWTUNE_SIM": str(missing)}), "hwtune status: simulated host ")
+    assert line.endswith(f"(HWTUNE_SIM={missing} is set)")
+    assert "HWTUNE_SIM" not in run_hwtune("--sim", missing, "status").stderr
+
+
 def test_python_m_hwtune_is_the_hwtune_command(tmp_path):
     # Before: "No module named hwtune.__main__; 'hwtune' is a package and cannot be directly executed".
     from daemon.cli import _version
