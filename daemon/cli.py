@@ -179,6 +179,12 @@ def _set_by_environment(args, ctx, message: str, rc: int) -> str:
     return ""
 
 
+def _action_options(p) -> set[str]:
+    """The options of a command's actions (share import --force, sim init --gpus)."""
+    return {o for a in p._actions if isinstance(a, argparse._SubParsersAction)
+            for sub in a.choices.values() for b in sub._actions for o in b.option_strings}
+
+
 def _quiet_broken_pipe() -> None:
     """The reader went away (`hwtune status | head -3`): drop what is left of our output
     instead of a BrokenPipeError at exit."""
@@ -263,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                 hint = f"{early[0]} is an option of {args.command}: it goes after the command"
             else:   # a typo (--budgt): name the option meant
                 for a in extra:
-                    near = difflib.get_close_matches(a.split("=", 1)[0], sorted(own), n=1, cutoff=0.7) \
+                    near = difflib.get_close_matches(a.split("=", 1)[0], sorted(own | _action_options(
+                        parser.command_parsers[args.command])), n=1, cutoff=0.7) \
                         if a.startswith("--") else []
                     if near:
                         hint = f"unrecognized arguments: {' '.join(extra)} (did you mean {near[0]}?)"

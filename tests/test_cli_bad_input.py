@@ -400,12 +400,16 @@ def test_names_a_non_utf8_terminal_cannot_show_are_escaped_not_a_traceback(tmp_p
     (("tune", "--budgt", "3"), "hwtune tune: unrecognized arguments: --budgt 3 (did you mean --budget?)"),
     (("search", "rmsnorm", "--strategy", "grdi"), "hwtune search: argument --strategy: invalid choice: 'grdi'"),
     (("status", "--jsn"), "hwtune status: unrecognized arguments: --jsn (did you mean --json?)"),
+    # an option of share import / sim init (a subcommand's): no suggestion before
+    (("share", "import", "--forse", "b.json"), "hwtune share: unrecognized arguments: --forse (did you mean --force?)"),
+    (("sim", "init", "h.json", "--gpuss", "3"), "hwtune sim: unrecognized arguments: --gpuss 3 (did you mean --gpus?)"),
 ])
 def test_a_typo_in_a_command_option_or_choice_names_the_one_meant(tmp_path, argv, line):
     # Before: the choices listed, or just 'unrecognized arguments', with no suggestion.
     sim = make_sim(tmp_path)
     got = one_line(run_hwtune("--sim", sim, *argv), line)
-    meant = {"stauts": "status", "tune": "--budget", "search": "grid", "status": "--json"}[argv[0]]
+    meant = {"stauts": "status", "tune": "--budget", "search": "grid", "status": "--json", "share": "--force",
+             "sim": "--gpus"}[argv[0]]
     assert f"did you mean {meant}?" in got
     assert "did you mean" not in run_hwtune("search", "rmsnorm", "--device", "gpu").stderr  # not 'cpu'
 
