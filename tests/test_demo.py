@@ -141,3 +141,42 @@ def test_bench_chart_axes_start_at_zero_or_say_log_scale():
     spread = figure(doc([("eager", 6651.0), ("tuned", 4.0)]), None)
     ax = spread.axes[0]
     assert ax.get_yscale() == "log" and ax.get_ylabel() == "tokens/s (log scale)"
+
+
+def test_demo_profile_that_does_not_exist_is_refused_before_any_step(tmp_path):
+    # Before: plan, apply and verify failed, then the tune and the bench ran anyway (100 s), exit 1.
+    from tests.conftest import run_hwtune
+
+    proc = run_hwtune("demo", "--simulated", "--profile", "throughpt", "--out", tmp_path / "d")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "hwtune demo: throughpt: profile 'throughpt' not found (looked in /etc/hwtune/profiles and the shipped "
+        "profiles: defaults, efficiency, throughput) (did you mean 'throughput'?)"]
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("options", [("--profile-dir", "profs", "demo", "--profile", "mine"),
+                                     ("demo", "--profile", "./profs/mine.yaml")])
+def test_demo_passes_relative_paths_and_the_profile_dir_on_to_its_steps(tmp_path, options):
+    # Before: the steps run from the checkout got --sim host.json and ./profs/mine.yaml as given
+    # (no such file there) and no --profile-dir: every step from status on failed.
+    import signal
+
+    from tests.conftest import run_hwtune
+
+    run_hwtune("sim", "init", tmp_path / "host.json", check=True)
+    (tmp_path / "profs").mkdir()
+    (tmp_path / "profs" / "mine.yaml").write_text("include: [throughput]\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("HWTUNE_READ_ONLY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--sim", "host.json", *options, "--out", "d"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("$ hwtune") and " tune " in line:   # status, plan, apply, verify, rollback done
+            proc.send_signal(signal.SIGINT)
+            break
+    proc.communicate(timeout=120)
+    exits = [line.split()[2] for line in seen if line.strip().startswith("-> exit")]
+    assert exits == ["0"] * 5, "".join(seen)

@@ -177,6 +177,13 @@ def run_demo(args, ctx) -> int:
             raise UsageError(f"--gpus {args.gpus}: the simulated host {earlier} has {has} GPU(s) and the demo "
                              f"uses it as it is; {how}")
     gpus = args.gpus if args.gpus is not None else DEFAULT_GPUS
+    from hwtune import profiles
+
+    profiles.load(args.profile, ctx.profile_dir)   # not found: one line now, not after the tune and bench
+    # the steps run from the checkout (so that a daemon/ or hwtune/ where the user is shadows
+    # nothing): a relative path given to the demo is made absolute for them
+    if "/" in args.profile:
+        args.profile = str(Path(args.profile).resolve())
     ensure_writable_dir(out, "--out", "choose another with --out DIR")
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
@@ -191,7 +198,7 @@ def run_demo(args, ctx) -> int:
     if simulated:
         sim = ctx.sim_path or out / "host.json"
         env["TRITON_INTERPRET"] = "1"  # kernels are checked under the interpreter on the CPU
-        global_args += ["--sim", str(sim), "--state-dir", str(out / "state")]
+        global_args += ["--sim", str(Path(sim).resolve()), "--state-dir", str(out / "state")]
         label = ("SIMULATED host (no GPU here): the hardware steps ran on a simulated H200 node and "
                  "their figures come from its calibrated model, not from a GPU")
         if device == "cpu":
@@ -199,8 +206,12 @@ def run_demo(args, ctx) -> int:
                       "Triton candidates under the interpreter): it checks the pipeline, it does not "
                       "measure speed")
     else:
-        global_args += ["--state-dir", str(ctx.state_dir)]
+        global_args += ["--state-dir", str(Path(ctx.state_dir).resolve())]
         label = "real GPU host" + (" (read-only)" if ctx.read_only else "")
+    from daemon.context import DEFAULT_PROFILE_DIR
+
+    if Path(ctx.profile_dir) != DEFAULT_PROFILE_DIR:
+        global_args += ["--profile-dir", str(Path(ctx.profile_dir).resolve())]
     if ctx.read_only:
         global_args.append("--read-only")
     print(f"hwtune demo: {label}", file=sys.stderr, flush=True)
