@@ -223,7 +223,8 @@ def run_kernels(ctx, kernels, device: str, budget: str, log) -> list[dict]:
     """The inner loop at the chosen point: `hwtune search KERNEL` in a child process."""
     rows = []
     for kernel in kernels:
-        cmd = [sys.executable, "-m", "daemon.cli", "--state-dir", str(ctx.state_dir), "search", kernel,
+        # absolute: the search runs from the checkout (--sim host.json's state is host.json.state here)
+        cmd = [sys.executable, "-m", "daemon.cli", "--state-dir", str(Path(ctx.state_dir).resolve()), "search", kernel,
                "--device", device, "--budget", budget, "--json"]
         log(f"kernel search: {kernel} on {device} (budget {budget})")
         env = dict(os.environ)

@@ -87,6 +87,24 @@ def test_kernel_search_runs_at_the_chosen_point_under_the_interpreter(host):
     assert report["kernels"][0]["device"] == "cpu" and report["kernels"][0]["ok"]
 
 
+def test_kernel_search_of_a_tune_on_a_relative_sim_path_keeps_its_results_beside_the_file(tmp_path):
+    # Before: the search child ran from the checkout with --state-dir host.json.state as given,
+    # so its ledger and dispatch table went into ROOT/host.json.state.
+    name = f"{tmp_path.name}-host.json"   # unique: the test looks for it in ROOT
+    run_hwtune("sim", "init", tmp_path / name, check=True)
+    proc = subprocess.run([sys.executable, "-m", "daemon.cli", "--sim", name, "tune", "--budget", "2",
+                           "--kernels", "rmsnorm", "--kernel-budget", "1", "--restore"], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        assert (tmp_path / f"{name}.state" / "ledger.sqlite").is_file()
+        assert not (ROOT / f"{name}.state").exists()
+    finally:
+        import shutil
+
+        shutil.rmtree(ROOT / f"{name}.state", ignore_errors=True)
+
+
 def _start_tune(host, *args):
     return subprocess.Popen([sys.executable, "-m", "daemon.cli", "--sim", str(host.sim), "tune", "--no-kernels",
                              "--json", *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
