@@ -160,6 +160,14 @@ def template_candidate(kernel: str, source_path: Path | None = None, device: str
     s.prepare()
     s.warm()  # every CONFIGS entry's kernels start compiling in parallel (CUDA)
     space = dict(s.space or {})
+    if not space and s.configs:
+        # CONFIGS alone (no SPACE): they are the points searched. Without this the space was
+        # the one empty point, which no config matches: nothing searched, "0 child runs"
+        for config in s.configs:
+            for name, value in config.items():
+                values = space.setdefault(name, [])
+                if value not in values:
+                    values.append(value)
     allowed = allowed_from_configs(s.configs)
     # the bytes the session read and planned (a file replaced since is not this candidate: every
     # job names this digest and the harness rejects a file that no longer has it)

@@ -239,3 +239,14 @@ def test_ctrl_c_says_what_the_search_kept_and_how_to_go_on_as_sigterm_does(tmp_p
     last = err.strip().splitlines()[-1]
     assert last.startswith("hwtune search: interrupted by SIGINT: ") and "--resume" in last
     assert json.loads(out)["exit_code"] == 130
+
+
+def test_a_source_with_configs_and_no_space_searches_its_configs(tmp_path):
+    # Before: the space was the one empty point, which no config matched: 0 child runs, nothing
+    # searched, exit 0 (DESIGN: a file "may define CONFIGS, a list of parameter dicts to search").
+    src = ROOT / "tests" / "candidates" / "honest_rmsnorm.py"
+    assert "CONFIGS = [" in src.read_text() and "SPACE" not in src.read_text()
+    proc = run_hwtune("--state-dir", tmp_path / "s", "search", "rmsnorm", "--device", "cpu", "--budget", "4",
+                      "--shape", "M=1,N=128", "--source", src, "--json", timeout=300, check=True)
+    doc = json.loads(proc.stdout)
+    assert doc["evaluations"] == 2 and doc["shapes"][0]["attempts"] == 2
