@@ -156,7 +156,8 @@ def test_demo_profile_that_does_not_exist_is_refused_before_any_step(tmp_path):
 
 
 @pytest.mark.parametrize("options", [("--profile-dir", "profs", "demo", "--profile", "mine"),
-                                     ("demo", "--profile", "./profs/mine.yaml")])
+                                     ("demo", "--profile", "./profs/mine.yaml"),
+                                     ("demo", "--profile", "mine.yaml")])
 def test_demo_passes_relative_paths_and_the_profile_dir_on_to_its_steps(tmp_path, options):
     # Before: the steps run from the checkout got --sim host.json and ./profs/mine.yaml as given
     # (no such file there) and no --profile-dir: every step from status on failed.
@@ -167,6 +168,7 @@ def test_demo_passes_relative_paths_and_the_profile_dir_on_to_its_steps(tmp_path
     run_hwtune("sim", "init", tmp_path / "host.json", check=True)
     (tmp_path / "profs").mkdir()
     (tmp_path / "profs" / "mine.yaml").write_text("include: [throughput]\n")
+    (tmp_path / "mine.yaml").write_text("include: [throughput]\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("HWTUNE_READ_ONLY", None)
     proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "--sim", "host.json", *options, "--out", "d"],

@@ -182,8 +182,8 @@ def run_demo(args, ctx) -> int:
     profiles.load(args.profile, ctx.profile_dir)   # not found: one line now, not after the tune and bench
     # the steps run from the checkout (so that a daemon/ or hwtune/ where the user is shadows
     # nothing): a relative path given to the demo is made absolute for them
-    if "/" in args.profile:
-        args.profile = str(Path(args.profile).resolve())
+    if ("/" in args.profile or Path(args.profile).suffix in (".yaml", ".yml")) and Path(args.profile).exists():
+        args.profile = str(Path(args.profile).resolve())   # a path, as hwtune.profiles reads it
     ensure_writable_dir(out, "--out", "choose another with --out DIR")
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
