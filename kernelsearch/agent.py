@@ -7,8 +7,12 @@ Each round gets a fresh work directory holding the context pack:
   roofline.json      this device's measured ceilings
   ledger.json        what was tried for this kernel on this device and why it failed
   best.json          the best times so far per shape, and stock's
-The command runs without a shell, with cwd = the work dir, a hard timeout (the whole process
-group is killed), and -- when hwtune runs as root and a user is configured -- as that user.
+The command runs without a shell, with cwd = the work dir, under agent_reaper.py (a child
+subreaper: at the hard timeout, at a stop of the search, and once the agent has exited, every
+process it started is killed, setsid() helpers included), no file larger than
+MAX_AGENT_FILE_BYTES (agent.log included), and -- when hwtune runs as root and a user is
+configured -- as that user, with /tmp, /var/tmp and /dev/shm its work dir's tmp/ and its own
+IPC namespace.
 It must leave `candidate.py` in the work dir. A missing file, a timeout or a crash is a
 verdict (guard "agent"), never an exception; a garbage file is judged by the harness like any
 other candidate.
@@ -23,6 +27,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +36,8 @@ from kernelsearch.harness.source import MAX_AST_DEPTH, MAX_SOURCE_BYTES
 
 CONTEXT_DIR = Path(__file__).resolve().parent.parent / "context"
 CANDIDATE_NAME = "candidate.py"
+REAPER = Path(__file__).resolve().parent / "agent_reaper.py"
+MAX_AGENT_FILE_BYTES = 64 << 20   # any file the agent writes, agent.log included (RLIMIT_FSIZE)
 LOG_TAIL_BYTES = 4000
 
 # compute capability major -> note; consumer cards (no NVLink) are recognised by name
@@ -188,19 +195,22 @@ def _identity(user: str) -> dict:
     return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
 
 
-def _wait_leader(pid: int, timeout_s: float) -> bool:
-    """Wait for the agent to exit WITHOUT reaping it (True) or until the timeout (False).
-    While the leader is an unreaped zombie its pid cannot be reused, so killing its process
-    group afterwards reaches only the agent's own leftovers."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.005
-    while True:
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 2, 0.1)
+def _end_reaper(proc: subprocess.Popen) -> None:
+    """Stop the reaper (it kills the agent and its helpers first); SIGKILL it after 10 s."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    except BaseException:   # a second Ctrl-C while waiting: kill now, still wait for it
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        try:   # not root: the agent, this same user, may have killed the reaper; its group goes
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def command_problem(config: AgentConfig) -> str | None:
@@ -265,26 +275,44 @@ def run_agent(config: AgentConfig, work_dir: Path) -> AgentOutcome:
     log_fd = os.open(work_dir / "agent.log", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     log = os.fdopen(log_fd, "w+b")
     started = time.time()
+    status_r, status_w = os.pipe2(os.O_CLOEXEC)
+    who = [str(identity["user"]), str(identity["group"])] if identity else ["-", "-"]
+    # The reaper (trusted, this user) runs the agent and, as a child subreaper, ends whatever the
+    # agent started, setsid() helpers included: none lives past the round.
+    reaper = [sys.executable, "-I", "-S", "-B", str(REAPER), str(status_w), str(os.getpid()),
+              repr(float(config.timeout_s)), str(MAX_AGENT_FILE_BYTES), *who, "--", *argv]
     try:
-        proc = subprocess.Popen(argv, cwd=work_dir, env=env, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(reaper, cwd=work_dir, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                **identity)
+                                pass_fds=(status_w,))
     except OSError as exc:
         log.close()
+        os.close(status_r)
+        os.close(status_w)
         return AgentOutcome("failed", f"cannot start {argv[0]!r}: {exc.strerror or exc}")
-    exited = _wait_leader(proc.pid, config.timeout_s)
-    # Helpers the agent started (on timeout, or left running after it exited) go with it:
-    # one still writing candidate.py while the harness reads it, or living on, is not allowed.
+    os.close(status_w)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+        # the reaper ends the agent at its timeout; the margin covers its start and clean-up
+        proc.wait(config.timeout_s + 60)
+    except subprocess.TimeoutExpired:
         pass
-    rc = proc.wait()
+    finally:
+        if proc.returncode is None:   # stopped here (Ctrl-C, SIGTERM): the agent goes first
+            _end_reaper(proc)
+        raw = os.read(status_r, 4096)
+        os.close(status_r)
+    try:
+        status = json.loads(raw)
+    except ValueError:
+        status = {"exited": False, "rc": None, "exec_error": None}
     tail = _tail(log)
     log.close()
     elapsed = time.time() - started
-    if not exited:
+    if status.get("exec_error"):
+        return AgentOutcome("failed", f"cannot start {argv[0]!r}: {status['exec_error']}", elapsed_s=elapsed)
+    if not status.get("exited"):
         return AgentOutcome("timeout", f"agent killed after {config.timeout_s:g} s", elapsed_s=elapsed)
+    rc = status.get("rc")
     if rc != 0:
         return AgentOutcome("failed", f"agent exited {rc}: {tail}", returncode=rc, elapsed_s=elapsed)
     try:

@@ -225,3 +225,73 @@ def test_agent_rounds_go_through_the_harness_and_every_outcome_is_a_ledger_row(t
     assert len(rows) == 4
     kept = list((state / "candidates").glob("rmsnorm-*.py"))
     assert len(kept) == 2  # the good and the garbage file are kept for inspection
+
+
+def test_a_helper_that_left_the_agents_session_is_killed_with_it(tmp_path):
+    """setsid() in a double-forked helper took it out of the agent's process group, which was
+    all that was killed: it lived on after the round, free to rewrite the agent's files."""
+    outcome = run_agent(_agent("escape.py"), tmp_path)
+    assert outcome.status == "ok", outcome.reason
+    _assert_gone(int((tmp_path / "escaped.pid").read_text()))
+
+
+def test_stopping_the_search_during_an_agent_round_ends_the_agent_and_its_helpers(tmp_path):
+    """SIGTERM (or Ctrl-C) raised out of the wait for the agent and left it running."""
+    import signal
+    import subprocess
+
+    script = ("import signal, sys\n"
+              "from pathlib import Path\n"
+              "from kernelsearch.agent import AgentConfig, run_agent\n"
+              "def stop(*_): raise KeyboardInterrupt\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              f"run_agent(AgentConfig(argv=[sys.executable, {str(AGENTS / 'hang.py')!r}], timeout_s=60), "
+              f"Path({str(tmp_path)!r}))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        if (tmp_path / "helper.pid").exists():
+            break
+        time.sleep(0.05)
+    helper = int((tmp_path / "helper.pid").read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) != 0
+    _assert_gone(helper)
+
+
+def test_agent_output_is_bounded(tmp_path, monkeypatch):
+    """An agent printing without end filled the disk through agent.log."""
+    import kernelsearch.agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "MAX_AGENT_FILE_BYTES", 2 << 20)
+    outcome = run_agent(AgentConfig(argv=[sys.executable, str(AGENTS / "flood.py"), "8"], timeout_s=60),
+                        tmp_path)
+    assert outcome.status == "failed"
+    assert (tmp_path / "agent.log").stat().st_size <= 2 << 20
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private /tmp needs root (mount namespace)")
+def test_what_an_agent_leaves_in_tmp_stays_in_its_work_dir():
+    """The agent user wrote to the host's /tmp, and what it left there outlived the round."""
+    import shutil
+    import tempfile
+    import uuid
+
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system python the agent user can run")
+    name = f"hwtune-agent-litter-{uuid.uuid4().hex}"
+    # the state dir's place (/var/lib/hwtune): not under /tmp, which stays as it is for a work dir there
+    top = Path(tempfile.mkdtemp(prefix="hwtune-agent-test-", dir=ROOT))
+    work = top / "round-1"
+    try:
+        os.chmod(top, 0o755)
+        work.mkdir(mode=0o755)
+        shutil.copy(AGENTS / "litter.py", work / "litter.py")
+        config = AgentConfig(argv=[python, str(work / "litter.py"), name], timeout_s=60, user="nobody")
+        outcome = run_agent(config, work)
+        assert outcome.status == "ok", outcome.reason
+        assert not (Path("/tmp") / name).exists()
+        assert (work / "tmp" / name).exists()
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+        Path("/tmp", name).unlink(missing_ok=True)

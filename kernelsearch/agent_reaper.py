@@ -1,0 +1,182 @@
+"""Runs one agent command and ends everything it started. Trusted; standard library only.
+
+Run as `python3 -I -S -B agent_reaper.py STATUS_FD PARENT_PID TIMEOUT_S MAX_FILE_BYTES UID GID
+-- COMMAND...` by kernelsearch.agent, as the user hwtune runs as, in the round's work directory,
+with the agent's environment and its stdout/stderr (agent.log). It
+
+  - is a child subreaper: whatever the agent starts (a double fork with setsid included) stays
+    its descendant, so that once the agent has exited or timed out every one of them is killed;
+    a process group alone lets a helper that called setsid() live on;
+  - ends (killing the agent and its helpers first) on SIGTERM, and gets SIGTERM when the
+    process that started it dies;
+  - as root: gives the agent a private IPC namespace and a mount namespace in which /tmp,
+    /var/tmp and /dev/shm are the work directory's tmp/ (nothing it leaves there outlives the
+    round outside its work directory; one that holds the work directory is left as it is),
+    then runs it as UID:GID with no supplementary groups;
+  - runs the agent with no file larger than MAX_FILE_BYTES (its log included: RLIMIT_FSIZE);
+  - writes one JSON line to STATUS_FD: {"exited", "rc", "exec_error", "left"}.
+
+UID "-" runs the agent as this user (hwtune not root): then the agent may signal this process,
+and nothing here holds against it.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import sys
+import time
+
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
+CLONE_NEWNS, CLONE_NEWIPC = 0x00020000, 0x08000000
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_stop = []
+
+
+def _prctl(option: int, value: int) -> bool:
+    return _libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) == 0
+
+
+def _isolate(uid: int, gid: int) -> None:
+    """As root: private IPC, and /tmp, /var/tmp, /dev/shm bound to WORKDIR/tmp."""
+    _libc.unshare(CLONE_NEWIPC)
+    if _libc.unshare(CLONE_NEWNS) != 0 or _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return
+    tmp = os.path.join(os.getcwd(), "tmp")
+    try:
+        os.mkdir(tmp, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(tmp)
+    if not os.path.isdir(tmp) or os.path.islink(tmp) or st.st_uid not in (0, uid):
+        return
+    os.chown(tmp, uid, gid)
+    here = os.path.realpath(os.getcwd())
+    for d in PRIVATE_DIRS:
+        # a work dir under /tmp (a --state-dir there) stays reachable by its path: that one is kept
+        if os.path.isdir(d) and not here.startswith(os.path.realpath(d).rstrip("/") + "/"):
+            _libc.mount(tmp.encode(), d.encode(), None, MS_BIND, None)
+
+
+def _children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                raw = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = raw[raw.rfind(")") + 2:].split()
+        if len(fields) >= 2:
+            children.setdefault(int(fields[1]), []).append(int(name))
+    return children
+
+
+def _descendants(root: int) -> set[int]:
+    children = _children()
+    out, todo = set(), list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if pid not in out and pid != root:
+            out.add(pid)
+            todo.extend(children.get(pid, []))
+    return out
+
+
+def _reap() -> dict[int, int]:
+    done = {}
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return done
+        if pid == 0:
+            return done
+        done[pid] = status
+
+
+def _kill_all(me: int, limit_s: float = 30.0) -> int:
+    """SIGKILL every descendant until none is left; how many there were at the first look."""
+    first = None
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        alive = _descendants(me)
+        if first is None:
+            first = len(alive)
+        if not alive:
+            break
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _reap()
+        time.sleep(0.005)
+    _reap()
+    return first or 0
+
+
+def main(argv: list[str]) -> int:
+    status_fd, parent, timeout_s, max_file = int(argv[1]), int(argv[2]), float(argv[3]), int(argv[4])
+    uid, gid = (None, None) if argv[5] == "-" else (int(argv[5]), int(argv[6]))
+    command = argv[argv.index("--") + 1:]
+    os.set_inheritable(status_fd, False)
+    signal.signal(signal.SIGTERM, lambda *_: _stop.append(1))
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        _stop.append(1)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    _prctl(PR_SET_DUMPABLE, 0)
+    if uid is not None and os.geteuid() == 0:
+        _isolate(uid, gid)
+    me = os.getpid()
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    leader = os.fork()
+    if leader == 0:
+        try:
+            os.close(err_r)
+            os.close(status_fd)
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (max_file, max_file))
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            if uid is not None:
+                os.setgroups([])
+                os.setresgid(gid, gid, gid)
+                os.setresuid(uid, uid, uid)
+            os.execvp(command[0], command)
+        except BaseException as exc:  # noqa: BLE001 -- told to the reaper, which reports it
+            why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            try:
+                os.write(err_w, why.encode(errors="replace")[:500])
+            finally:
+                os._exit(127)
+    os.close(err_w)
+    exec_error = b""
+    while chunk := os.read(err_r, 512):   # end of file: exec succeeded (close-on-exec) or failed
+        exec_error += chunk
+    os.close(err_r)
+    deadline = time.monotonic() + timeout_s
+    rc = None
+    while not _stop and time.monotonic() < deadline:
+        done = _reap()
+        if leader in done:
+            st = done[leader]
+            rc = os.WEXITSTATUS(st) if os.WIFEXITED(st) else -os.WTERMSIG(st)
+            break
+        time.sleep(0.01)
+    left = _kill_all(me)
+    os.write(status_fd, json.dumps({"exited": rc is not None, "rc": rc, "left": left,
+                                    "exec_error": exec_error.decode(errors="replace") or None}).encode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
