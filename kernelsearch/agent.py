@@ -19,6 +19,7 @@ other candidate.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -398,7 +399,13 @@ def agent_rounds(loop, config: AgentConfig, *, spec, rounds: int, ceilings, stat
                                                  limit=40),
             best=loop.best_so_far(), baseline_path=baseline_path, model_family=config.model_family)
         loop.progress(f"agent round {i + 1}/{rounds}: {' '.join(config.argv)} in {work_dir}")
-        outcome = run_agent(config, work_dir)
+        round_config = config
+        if loop.deadline is not None and loop.deadline - time.monotonic() < config.timeout_s:
+            # the search's time limit bounds a round as well as when rounds start
+            round_config = dataclasses.replace(config, timeout_s=max(0.1, loop.deadline - time.monotonic()))
+        outcome = run_agent(round_config, work_dir)
+        if outcome.status == "timeout" and round_config is not config:
+            outcome.reason = f"agent killed at the search's time limit ({outcome.reason})"
         if outcome.status != "ok":
             # no file to judge: record the agent's failure itself, once per shape
             ghost = Candidate(work_dir / CANDIDATE_NAME, f"agent-{outcome.status}-{i + 1}", {},

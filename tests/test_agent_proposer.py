@@ -295,3 +295,27 @@ def test_what_an_agent_leaves_in_tmp_stays_in_its_work_dir():
     finally:
         shutil.rmtree(top, ignore_errors=True)
         Path("/tmp", name).unlink(missing_ok=True)
+
+
+def test_an_agent_round_ends_at_the_searchs_time_limit(tmp_path):
+    """--time-limit-s bounded when rounds start, not how long one runs: a hanging agent with the
+    default 900 s round limit held a 60 s search for 900 s."""
+    from types import SimpleNamespace
+
+    from kernelsearch.agent import agent_rounds
+    from kernelsearch.kernels import template_path
+    from kernelsearch.search import OutOfTime
+
+    recorded = []
+    ledger = SimpleNamespace(summary=lambda **kw: {}, attempts=lambda **kw: [])
+    loop = SimpleNamespace(kernel="rmsnorm", shapes=SHAPE, dtype=None, device="cpu", fingerprint=H200,
+                           fingerprint_id="fp", run_id="run", ledger=ledger, candidates={}, memo={},
+                           best_so_far=lambda: [], progress=lambda line: None,
+                           record=lambda cand, shapes, verdict, started: recorded.append(verdict),
+                           deadline=time.monotonic() + 2)
+    started = time.monotonic()
+    with pytest.raises(OutOfTime):
+        agent_rounds(loop, _agent("hang.py", timeout_s=60), spec=get_spec("rmsnorm"), rounds=2,
+                     ceilings={}, state_dir=tmp_path, baseline_path=template_path("rmsnorm"))
+    assert time.monotonic() - started < 15
+    assert recorded[0].guard == "agent" and "time limit" in recorded[0].reason
