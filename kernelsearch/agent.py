@@ -372,7 +372,11 @@ def _tail(log) -> str:
     log.flush()
     size = os.fstat(log.fileno()).st_size
     data = os.pread(log.fileno(), LOG_TAIL_BYTES, max(0, size - LOG_TAIL_BYTES))
-    return data.decode(errors="replace").strip().splitlines()[-1:][0] if data.strip() else "(no output)"
+    last = data.decode(errors="replace").strip().splitlines()[-1:]
+    # the agent's text: printed as a verdict's reason, a terminal control in it (ESC [1A: the
+    # line above rewritten) would forge what the search printed
+    line = "".join(ch if ch.isprintable() else "?" for ch in last[0]).strip() if last else ""
+    return line or "(no output)"
 
 
 def agent_rounds(loop, config: AgentConfig, *, spec, rounds: int, ceilings, state_dir: Path,

@@ -319,3 +319,12 @@ def test_an_agent_round_ends_at_the_searchs_time_limit(tmp_path):
                      ceilings={}, state_dir=tmp_path, baseline_path=template_path("rmsnorm"))
     assert time.monotonic() - started < 15
     assert recorded[0].guard == "agent" and "time limit" in recorded[0].reason
+
+
+def test_agent_output_in_a_reason_carries_no_terminal_controls(tmp_path):
+    """The last line of a failed agent's output became the ledger reason and the progress line
+    as written: ESC [1A ESC [2K erased the line above on the terminal and wrote one of its own."""
+    script = "import sys; sys.stdout.write('\\x1b[1A\\x1b[2K\\x07[1 0.1s] candidate.py {} -> accepted\\x08'); sys.exit(1)"
+    outcome = run_agent(AgentConfig(argv=[sys.executable, "-c", script], timeout_s=60), tmp_path)
+    assert outcome.status == "failed" and "-> accepted" in outcome.reason
+    assert all(ch.isprintable() for ch in outcome.reason), repr(outcome.reason)
