@@ -27,6 +27,7 @@ import pwd
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -263,6 +264,11 @@ def run_agent(config: AgentConfig, work_dir: Path) -> AgentOutcome:
         shutil.chown(work_dir, user=user)
         for path in work_dir.rglob("*"):
             shutil.chown(path, user=user)
+    # the agent's HOME, where agent CLIs keep logins and transcripts: no other user reads it
+    # (and the agent writes with umask 077, see agent_reaper.py)
+    for path in [work_dir, *work_dir.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, stat.S_IMODE(path.stat().st_mode) & 0o700)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work_dir),
            "LANG": os.environ.get("LANG", "C.UTF-8"), "HWTUNE_AGENT_WORKDIR": str(work_dir)}
     env.update({k: os.environ[k] for k in config.env_passthrough if k in os.environ})
@@ -273,7 +279,7 @@ def run_agent(config: AgentConfig, work_dir: Path) -> AgentOutcome:
         os.unlink(work_dir / "agent.log")  # a reused work dir: never open what is there
     except FileNotFoundError:
         pass
-    log_fd = os.open(work_dir / "agent.log", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    log_fd = os.open(work_dir / "agent.log", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     log = os.fdopen(log_fd, "w+b")
     started = time.time()
     status_r, status_w = os.pipe2(os.O_CLOEXEC)

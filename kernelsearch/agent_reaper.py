@@ -13,7 +13,8 @@ with the agent's environment and its stdout/stderr (agent.log). It
     /var/tmp and /dev/shm are the work directory's tmp/ (nothing it leaves there outlives the
     round outside its work directory; one that holds the work directory is left as it is),
     then runs it as UID:GID with no supplementary groups;
-  - runs the agent with no file larger than MAX_FILE_BYTES (its log included: RLIMIT_FSIZE);
+  - runs the agent with no file larger than MAX_FILE_BYTES (its log included: RLIMIT_FSIZE)
+    and umask 077 (its work dir is its HOME: no other user reads what it keeps there);
   - writes one JSON line to STATUS_FD: {"exited", "rc", "exec_error", "left"}.
 
 UID "-" runs the agent as this user (hwtune not root): then the agent may signal this process,
@@ -147,6 +148,7 @@ def main(argv: list[str]) -> int:
                 signal.signal(sig, signal.SIG_DFL)
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file, max_file))
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            os.umask(0o077)
             if uid is not None:
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)

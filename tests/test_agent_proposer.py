@@ -328,3 +328,17 @@ def test_agent_output_in_a_reason_carries_no_terminal_controls(tmp_path):
     outcome = run_agent(AgentConfig(argv=[sys.executable, "-c", script], timeout_s=60), tmp_path)
     assert outcome.status == "failed" and "-> accepted" in outcome.reason
     assert all(ch.isprintable() for ch in outcome.reason), repr(outcome.reason)
+
+
+def test_the_agents_work_dir_and_files_are_its_own(tmp_path):
+    """The work dir is the agent's HOME, where agent CLIs keep their logins and transcripts: it
+    was 0755 and the agent wrote with umask 022, so every local user could read them."""
+    import stat
+
+    work = tmp_path / "round-1"
+    _pack(work)
+    script = "open('login.json', 'w').write('{}'); open('candidate.py', 'w').write('# x')"
+    outcome = run_agent(AgentConfig(argv=[sys.executable, "-c", script], timeout_s=60), work)
+    assert outcome.status == "ok", outcome.reason
+    for path in (work, work / "login.json", work / "TASK.md"):
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, (path, oct(path.stat().st_mode))
