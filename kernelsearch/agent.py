@@ -12,7 +12,9 @@ subreaper: at the hard timeout, at a stop of the search, and once the agent has 
 process it started is killed, setsid() helpers included), no file larger than
 MAX_AGENT_FILE_BYTES (agent.log included), and -- when hwtune runs as root and a user is
 configured -- as that user, with /tmp, /var/tmp and /dev/shm its work dir's tmp/ and its own
-IPC namespace.
+IPC namespace. Not root, the agent is hwtune's own user: it then runs in namespaces of its own
+(user, PID, IPC, mount) where every file system but its work dir, /dev and that tmp/ is
+read-only and the search is not there to signal (where user namespaces are allowed).
 It must leave `candidate.py` in the work dir. A missing file, a timeout or a crash is a
 verdict (guard "agent"), never an exception; a garbage file is judged by the harness like any
 other candidate.

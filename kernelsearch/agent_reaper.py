@@ -17,8 +17,10 @@ with the agent's environment and its stdout/stderr (agent.log). It
     and umask 077 (its work dir is its HOME: no other user reads what it keeps there);
   - writes one JSON line to STATUS_FD: {"exited", "rc", "exec_error", "left"}.
 
-UID "-" runs the agent as this user (hwtune not root): then the agent may signal this process,
-and nothing here holds against it.
+UID "-" runs the agent as this user. Not root, it then gets, where user namespaces are
+allowed, its own user (mapped to this one), PID, IPC and mount namespaces, every file system
+read-only but its work dir, /dev and its private /tmp (see _isolate_same_user); elsewhere it
+may do whatever this user may.
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ import sys
 import time
 
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
-CLONE_NEWNS, CLONE_NEWIPC = 0x00020000, 0x08000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1   # Linux >= 5.12
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -48,6 +51,11 @@ def _isolate(uid: int, gid: int) -> None:
     _libc.unshare(CLONE_NEWIPC)
     if _libc.unshare(CLONE_NEWNS) != 0 or _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
         return
+    _private_tmp(uid, gid)
+
+
+def _private_tmp(uid: int, gid: int) -> list[str]:
+    """/tmp, /var/tmp, /dev/shm bound to WORKDIR/tmp (in a mount namespace of our own)."""
     tmp = os.path.join(os.getcwd(), "tmp")
     try:
         os.mkdir(tmp, 0o700)
@@ -55,13 +63,63 @@ def _isolate(uid: int, gid: int) -> None:
         pass
     st = os.lstat(tmp)
     if not os.path.isdir(tmp) or os.path.islink(tmp) or st.st_uid not in (0, uid):
-        return
+        return []
     os.chown(tmp, uid, gid)
     here = os.path.realpath(os.getcwd())
+    bound = []
     for d in PRIVATE_DIRS:
         # a work dir under /tmp (a --state-dir there) stays reachable by its path: that one is kept
         if os.path.isdir(d) and not here.startswith(os.path.realpath(d).rstrip("/") + "/"):
-            _libc.mount(tmp.encode(), d.encode(), None, MS_BIND, None)
+            if _libc.mount(tmp.encode(), d.encode(), None, MS_BIND, None) == 0:
+                bound.append(d)
+    return bound
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _set_readonly(path: str, readonly: bool, recursive: bool) -> bool:
+    attr = _MountAttr(MOUNT_ATTR_RDONLY if readonly else 0, 0 if readonly else MOUNT_ATTR_RDONLY, 0, 0)
+    return _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), AT_RECURSIVE if recursive else 0,
+                         ctypes.byref(attr), ctypes.sizeof(attr)) == 0
+
+
+def _isolate_same_user() -> list[str]:
+    """Not root, so no user to drop to: the agent is this user. In a user namespace of its own
+    (mapped to this same user) it gets its own PID namespace (the search and this reaper are not
+    there to signal; its end ends all it started), IPC, and a mount namespace in which every
+    file system is read-only but its work dir, /dev and its private /tmp: the ledger, the
+    dispatch table, the kept candidates and the harness's own code stay as they are. Where user
+    namespaces are not allowed, none of this holds (said in the status)."""
+    uid, gid = os.getuid(), os.getgid()
+    if _libc.unshare(CLONE_NEWUSER) != 0:
+        return []
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    except OSError:
+        return []
+    done = ["user"]
+    for flag, name in ((CLONE_NEWPID, "pid"), (CLONE_NEWIPC, "ipc")):
+        if _libc.unshare(flag) == 0:
+            done.append(name)
+    if _libc.unshare(CLONE_NEWNS) != 0 or _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return done
+    writable = _private_tmp(uid, gid)
+    here = os.getcwd()
+    if _libc.mount(here.encode(), here.encode(), None, MS_BIND, None) != 0:
+        return done
+    os.chdir(here)   # into the bind mount (the directory below it turns read-only)
+    if not _set_readonly("/", True, recursive=True):
+        return done
+    ok = all([_set_readonly(here, False, recursive=False), *(_set_readonly(d, False, False) for d in writable)])
+    if os.path.isdir("/dev"):
+        ok = _set_readonly("/dev", False, recursive=True) and ok
+    done.append("mount(read-only but the work dir)" if ok else "mount(read-only, some writable dirs not)")
+    return done
 
 
 def _children() -> dict[int, list[int]]:
@@ -134,9 +192,12 @@ def main(argv: list[str]) -> int:
     if os.getppid() != parent:
         _stop.append(1)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    _prctl(PR_SET_DUMPABLE, 0)
+    isolation = []
     if uid is not None and os.geteuid() == 0:
         _isolate(uid, gid)
+    elif uid is None and os.geteuid() != 0:
+        isolation = _isolate_same_user()
+    _prctl(PR_SET_DUMPABLE, 0)   # after: not dumpable, /proc/self/uid_map is root's to write
     me = os.getpid()
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     leader = os.fork()
@@ -175,7 +236,7 @@ def main(argv: list[str]) -> int:
             break
         time.sleep(0.01)
     left = _kill_all(me)
-    os.write(status_fd, json.dumps({"exited": rc is not None, "rc": rc, "left": left,
+    os.write(status_fd, json.dumps({"exited": rc is not None, "rc": rc, "left": left, "isolation": isolation,
                                     "exec_error": exec_error.decode(errors="replace") or None}).encode())
     return 0
 

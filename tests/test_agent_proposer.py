@@ -342,3 +342,43 @@ def test_the_agents_work_dir_and_files_are_its_own(tmp_path):
     assert outcome.status == "ok", outcome.reason
     for path in (work, work / "login.json", work / "TASK.md"):
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, (path, oct(path.stat().st_mode))
+
+
+def test_an_agent_run_as_the_searchs_own_user_cannot_touch_the_state_dir_or_signal_it(tmp_path):
+    """hwtune not root (no user to drop to): the agent ran with the search's own rights, free to
+    rewrite the ledger, the dispatch table and the kept candidates, and to kill the search."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    python = "/usr/bin/python3" if os.geteuid() == 0 else sys.executable
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system python another user can run")
+    probe = subprocess.run(["unshare", "-Urm", "true"], capture_output=True,
+                           user="nobody" if os.geteuid() == 0 else None)
+    if probe.returncode != 0:
+        pytest.skip("no unprivileged user namespaces here")
+    top = Path(tempfile.mkdtemp(prefix="hwtune-agent-test-", dir=ROOT))
+    try:
+        os.chmod(top, 0o755)
+        script = (
+            "import os, sys\n"
+            "from pathlib import Path\n"
+            "from kernelsearch.agent import AgentConfig, run_agent\n"
+            "state = Path(sys.argv[1]) / 'state'\n"
+            "work = state / 'agent' / 'round-1'\n"
+            "work.mkdir(parents=True)\n"
+            "(state / 'ledger.sqlite').write_text('real')\n"
+            "out = run_agent(AgentConfig(argv=[sys.executable, sys.argv[2], str(state / 'ledger.sqlite'),"
+            " str(os.getpid())], timeout_s=60), work)\n"
+            "print(out.status, out.reason, (state / 'ledger.sqlite').read_text(), out.data.decode())\n")
+        if os.geteuid() == 0:
+            shutil.chown(top, "nobody")
+        proc = subprocess.run([python, "-c", script, str(top), str(AGENTS / "same_user.py")], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120,
+                              user="nobody" if os.geteuid() == 0 else None, env={"PATH": "/usr/bin:/bin"})
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("ok") and "real" in proc.stdout, proc.stdout
+        assert "# []" in proc.stdout, proc.stdout
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

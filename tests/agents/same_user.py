@@ -1,0 +1,19 @@
+"""A scripted agent run as the same user as the search: it tries to rewrite a file of the state
+directory (argv[1]) and to signal the search (pid argv[2]); candidate.py says what worked."""
+import os
+import sys
+
+done = []
+try:
+    with open(sys.argv[1], "w") as f:
+        f.write("forged by the agent\n")
+    done.append("wrote the state dir")
+except OSError:
+    pass
+try:
+    os.kill(int(sys.argv[2]), 0)
+    done.append("can signal the search")
+except OSError:
+    pass
+with open("candidate.py", "w") as f:
+    f.write(f"# {done}\n")
