@@ -11,13 +11,10 @@ The command runs without a shell, with cwd = the work dir, under agent_reaper.py
 subreaper: at the hard timeout, at a stop of the search, and once the agent has exited, every
 process it started is killed, setsid() helpers included), no file larger than
 MAX_AGENT_FILE_BYTES (agent.log included), and -- when hwtune runs as root and a user is
-configured -- as that user, with /tmp, /var/tmp and /dev/shm its work dir's tmp/ and its own
-IPC namespace. Not root, the agent is hwtune's own user: it then runs in namespaces of its own
-(user, PID, IPC, mount) where every file system but its work dir, /dev and that tmp/ is
-read-only and the search is not there to signal (where user namespaces are allowed).
-It must leave `candidate.py` in the work dir. A missing file, a timeout or a crash is a
-verdict (guard "agent"), never an exception; a garbage file is judged by the harness like any
-other candidate.
+configured -- as that user. Either way (not root: in a user namespace mapped to hwtune's own
+user, where allowed) it runs in PID, IPC and mount namespaces of its own: no process outside
+to signal, every file system read-only but its work dir and its tmp/, which is its /tmp,
+/var/tmp and /dev/shm.
 """
 from __future__ import annotations
 
@@ -103,7 +100,11 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "Outputs are passed in (destination-passing); compute in fp32, cast on store.",
              "It is verified on fresh random inputs of every shape (several distributions), for "
              "unwritten outputs, input mutation, determinism and global state, then timed "
-             "against stock. Start from `baseline.py`; see context/ for the hardware.", "",
+             "against stock. Start from `baseline.py`; see context/ for the hardware.",
+             "You run with this directory writable and nothing else on the file system (/tmp is "
+             "its tmp/), no file over "
+             f"{MAX_AGENT_FILE_BYTES >> 20} MiB, and every process you start ends with the "
+             "round: only what is in this directory when you exit is read.", "",
              "## Rules (checked before and while it runs; a breach is a rejection)",
              "- The harness never imports your file. It checks the source, compiles your "
              "`@triton.jit` kernels from it, and runs `launch()` in a sandbox (another process, "

@@ -9,18 +9,17 @@ with the agent's environment and its stdout/stderr (agent.log). It
     a process group alone lets a helper that called setsid() live on;
   - ends (killing the agent and its helpers first) on SIGTERM, and gets SIGTERM when the
     process that started it dies;
-  - as root: gives the agent a private IPC namespace and a mount namespace in which /tmp,
-    /var/tmp and /dev/shm are the work directory's tmp/ (nothing it leaves there outlives the
-    round outside its work directory; one that holds the work directory is left as it is),
-    then runs it as UID:GID with no supplementary groups;
+  - as root: runs the agent as UID:GID with no supplementary groups, in PID, IPC and mount
+    namespaces of its own: no process outside to signal, every file system read-only but its
+    work dir and its tmp/, which is /tmp, /var/tmp and /dev/shm there (nothing it leaves
+    outlives the round outside its work dir; a /tmp that holds the work dir is left as it is);
   - runs the agent with no file larger than MAX_FILE_BYTES (its log included: RLIMIT_FSIZE)
     and umask 077 (its work dir is its HOME: no other user reads what it keeps there);
   - writes one JSON line to STATUS_FD: {"exited", "rc", "exec_error", "left"}.
 
-UID "-" runs the agent as this user. Not root, it then gets, where user namespaces are
-allowed, its own user (mapped to this one), PID, IPC and mount namespaces, every file system
-read-only but its work dir, /dev and its private /tmp (see _isolate_same_user); elsewhere it
-may do whatever this user may.
+UID "-" runs the agent as this user. Not root, it then gets the same namespaces inside a user
+namespace mapped to this same user, where user namespaces are allowed; elsewhere it may do
+whatever this user may.
 """
 from __future__ import annotations
 
@@ -44,14 +43,6 @@ _stop = []
 
 def _prctl(option: int, value: int) -> bool:
     return _libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) == 0
-
-
-def _isolate(uid: int, gid: int) -> None:
-    """As root: private IPC, and /tmp, /var/tmp, /dev/shm bound to WORKDIR/tmp."""
-    _libc.unshare(CLONE_NEWIPC)
-    if _libc.unshare(CLONE_NEWNS) != 0 or _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        return
-    _private_tmp(uid, gid)
 
 
 def _private_tmp(uid: int, gid: int) -> list[str]:
@@ -86,23 +77,26 @@ def _set_readonly(path: str, readonly: bool, recursive: bool) -> bool:
                          ctypes.byref(attr), ctypes.sizeof(attr)) == 0
 
 
-def _isolate_same_user() -> list[str]:
-    """Not root, so no user to drop to: the agent is this user. In a user namespace of its own
-    (mapped to this same user) it gets its own PID namespace (the search and this reaper are not
-    there to signal; its end ends all it started), IPC, and a mount namespace in which every
-    file system is read-only but its work dir, /dev and its private /tmp: the ledger, the
-    dispatch table, the kept candidates and the harness's own code stay as they are. Where user
-    namespaces are not allowed, none of this holds (said in the status)."""
-    uid, gid = os.getuid(), os.getgid()
-    if _libc.unshare(CLONE_NEWUSER) != 0:
-        return []
-    try:
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
-    except OSError:
-        return []
-    done = ["user"]
+def _isolate(uid: int, gid: int, same_user: bool) -> list[str]:
+    """Namespaces for the agent (what was done, by name). As root (the agent then runs as
+    UID:GID) or, not root, in a user namespace mapped to this same user (where allowed): its
+    own PID namespace (no process outside it to signal, the agent's end ends all it started),
+    IPC, and a mount namespace in which every file system is read-only but its work dir and its
+    private /tmp (device nodes such as /dev/null still open for writing; /dev/mqueue does not):
+    the ledger, the dispatch table, the kept candidates, the harness's code and any
+    world-writable directory stay as they are."""
+    done = []
+    if same_user:
+        if _libc.unshare(CLONE_NEWUSER) != 0:
+            return done
+        try:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                               ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        except OSError:
+            return done
+        done.append("user")
     for flag, name in ((CLONE_NEWPID, "pid"), (CLONE_NEWIPC, "ipc")):
         if _libc.unshare(flag) == 0:
             done.append(name)
@@ -116,8 +110,6 @@ def _isolate_same_user() -> list[str]:
     if not _set_readonly("/", True, recursive=True):
         return done
     ok = all([_set_readonly(here, False, recursive=False), *(_set_readonly(d, False, False) for d in writable)])
-    if os.path.isdir("/dev"):
-        ok = _set_readonly("/dev", False, recursive=True) and ok
     done.append("mount(read-only but the work dir)" if ok else "mount(read-only, some writable dirs not)")
     return done
 
@@ -194,9 +186,9 @@ def main(argv: list[str]) -> int:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     isolation = []
     if uid is not None and os.geteuid() == 0:
-        _isolate(uid, gid)
+        isolation = _isolate(uid, gid, same_user=False)
     elif uid is None and os.geteuid() != 0:
-        isolation = _isolate_same_user()
+        isolation = _isolate(os.getuid(), os.getgid(), same_user=True)
     _prctl(PR_SET_DUMPABLE, 0)   # after: not dumpable, /proc/self/uid_map is root's to write
     me = os.getpid()
     err_r, err_w = os.pipe2(os.O_CLOEXEC)

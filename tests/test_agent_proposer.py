@@ -382,3 +382,36 @@ def test_an_agent_run_as_the_searchs_own_user_cannot_touch_the_state_dir_or_sign
         assert "# []" in proc.stdout, proc.stdout
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to the agent user needs root")
+def test_an_agent_run_as_nobody_writes_only_its_work_dir_and_signals_no_other_process_of_nobody():
+    """As nobody the agent could write any world-writable directory on the host and signal any
+    other process of nobody (another search's sandbox, a daemon run as nobody)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system python the agent user can run")
+    top = Path(tempfile.mkdtemp(prefix="hwtune-agent-test-", dir=ROOT))
+    other = subprocess.Popen(["sleep", "60"], user="nobody")
+    try:
+        os.chmod(top, 0o755)
+        shared = top / "shared"
+        shared.mkdir()
+        os.chmod(shared, 0o1777)
+        work = top / "round-1"
+        work.mkdir()
+        shutil.copy(AGENTS / "same_user.py", work / "agent.py")
+        config = AgentConfig(argv=[python, str(work / "agent.py"), str(shared / "x"), str(other.pid)],
+                             timeout_s=60, user="nobody")
+        outcome = run_agent(config, work)
+        assert outcome.status == "ok", outcome.reason
+        assert outcome.data == b"# []\n"
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+        shutil.rmtree(top, ignore_errors=True)
