@@ -255,8 +255,10 @@ def command_problem(config: AgentConfig) -> str | None:
     return None
 
 
-def run_agent(config: AgentConfig, work_dir: Path) -> AgentOutcome:
-    """Run the agent command once in `work_dir`; never raises for the agent's own failures."""
+def run_agent(config: AgentConfig, work_dir: Path, hide: Path | None = None) -> AgentOutcome:
+    """Run the agent command once in `work_dir`; never raises for the agent's own failures.
+    `hide`: a directory above it (the state directory) the agent sees as empty but for its
+    work dir, which it reaches by its path even where `hide` is root's 0700."""
     user = _demote(config.user)
     identity = {}
     if user:
@@ -290,7 +292,8 @@ def run_agent(config: AgentConfig, work_dir: Path) -> AgentOutcome:
     # The reaper (trusted, this user) runs the agent and, as a child subreaper, ends whatever the
     # agent started, setsid() helpers included: none lives past the round.
     reaper = [sys.executable, "-I", "-S", "-B", str(REAPER), str(status_w), str(os.getpid()),
-              repr(float(config.timeout_s)), str(MAX_AGENT_FILE_BYTES), *who, "--", *argv]
+              repr(float(config.timeout_s)), str(MAX_AGENT_FILE_BYTES), *who,
+              str(hide) if hide else "-", "--", *argv]
     try:
         proc = subprocess.Popen(reaper, cwd=work_dir, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -416,7 +419,7 @@ def agent_rounds(loop, config: AgentConfig, *, spec, rounds: int, ceilings, stat
         if loop.deadline is not None and loop.deadline - time.monotonic() < config.timeout_s:
             # the search's time limit bounds a round as well as when rounds start
             round_config = dataclasses.replace(config, timeout_s=max(0.1, loop.deadline - time.monotonic()))
-        outcome = run_agent(round_config, work_dir)
+        outcome = run_agent(round_config, work_dir, hide=state_dir)
         if outcome.status == "timeout" and round_config is not config:
             outcome.reason = f"agent killed at the search's time limit ({outcome.reason})"
         if outcome.status != "ok":

@@ -1,7 +1,7 @@
 """Runs one agent command and ends everything it started. Trusted; standard library only.
 
 Run as `python3 -I -S -B agent_reaper.py STATUS_FD PARENT_PID TIMEOUT_S MAX_FILE_BYTES UID GID
--- COMMAND...` by kernelsearch.agent, as the user hwtune runs as, in the round's work directory,
+HIDE -- COMMAND...` by kernelsearch.agent, as the user hwtune runs as, in the round's work directory,
 with the agent's environment and its stdout/stderr (agent.log). It
 
   - is a child subreaper: whatever the agent starts (a double fork with setsid included) stays
@@ -33,7 +33,7 @@ import time
 
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1   # Linux >= 5.12
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
@@ -77,14 +77,17 @@ def _set_readonly(path: str, readonly: bool, recursive: bool) -> bool:
                          ctypes.byref(attr), ctypes.sizeof(attr)) == 0
 
 
-def _isolate(uid: int, gid: int, same_user: bool) -> list[str]:
+def _isolate(uid: int, gid: int, same_user: bool, hide: str | None) -> list[str]:
     """Namespaces for the agent (what was done, by name). As root (the agent then runs as
     UID:GID) or, not root, in a user namespace mapped to this same user (where allowed): its
     own PID namespace (no process outside it to signal, the agent's end ends all it started),
     IPC, and a mount namespace in which every file system is read-only but its work dir and its
     private /tmp (device nodes such as /dev/null still open for writing; /dev/mqueue does not):
     the ledger, the dispatch table, the kept candidates, the harness's code and any
-    world-writable directory stay as they are."""
+    world-writable directory stay as they are. `hide` (the state directory that holds the work
+    dir): an empty tmpfs there, the work dir alone bound back at its own path: the agent reaches
+    it by that path (HOME) though the state directory is root's 0700, and sees nothing else
+    there (the ledger, the tables)."""
     done = []
     if same_user:
         if _libc.unshare(CLONE_NEWUSER) != 0:
@@ -102,16 +105,40 @@ def _isolate(uid: int, gid: int, same_user: bool) -> list[str]:
             done.append(name)
     if _libc.unshare(CLONE_NEWNS) != 0 or _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
         return done
+    hidden = bool(hide) and _hide_around(hide)
     writable = _private_tmp(uid, gid)
     here = os.getcwd()
-    if _libc.mount(here.encode(), here.encode(), None, MS_BIND, None) != 0:
-        return done
-    os.chdir(here)   # into the bind mount (the directory below it turns read-only)
+    if not hidden:
+        if _libc.mount(here.encode(), here.encode(), None, MS_BIND, None) != 0:
+            return done
+        os.chdir(here)   # into the bind mount (the directory below it turns read-only)
     if not _set_readonly("/", True, recursive=True):
         return done
     ok = all([_set_readonly(here, False, recursive=False), *(_set_readonly(d, False, False) for d in writable)])
     done.append("mount(read-only but the work dir)" if ok else "mount(read-only, some writable dirs not)")
     return done
+
+
+def _hide_around(top: str) -> bool:
+    """An empty tmpfs on `top`, the work dir (cwd, below it) bound back at its own path."""
+    here, top = os.path.realpath(os.getcwd()), os.path.realpath(top)
+    rel = os.path.relpath(here, top)
+    if rel == "." or rel.startswith(".."):
+        return False
+    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _libc.mount(b"tmpfs", top.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64k,mode=755") != 0:
+            return False
+        path = top
+        for part in rel.split(os.sep):
+            path = os.path.join(path, part)
+            os.mkdir(path, 0o755)
+        if _libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, MS_BIND, None) != 0:
+            return False
+        os.chdir(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _children() -> dict[int, list[int]]:
@@ -177,6 +204,7 @@ def _kill_all(me: int, limit_s: float = 30.0) -> int:
 def main(argv: list[str]) -> int:
     status_fd, parent, timeout_s, max_file = int(argv[1]), int(argv[2]), float(argv[3]), int(argv[4])
     uid, gid = (None, None) if argv[5] == "-" else (int(argv[5]), int(argv[6]))
+    hide = None if argv[7] == "-" else argv[7]
     command = argv[argv.index("--") + 1:]
     os.set_inheritable(status_fd, False)
     signal.signal(signal.SIGTERM, lambda *_: _stop.append(1))
@@ -186,9 +214,9 @@ def main(argv: list[str]) -> int:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     isolation = []
     if uid is not None and os.geteuid() == 0:
-        isolation = _isolate(uid, gid, same_user=False)
+        isolation = _isolate(uid, gid, same_user=False, hide=hide)
     elif uid is None and os.geteuid() != 0:
-        isolation = _isolate(os.getuid(), os.getgid(), same_user=True)
+        isolation = _isolate(os.getuid(), os.getgid(), same_user=True, hide=hide)
     _prctl(PR_SET_DUMPABLE, 0)   # after: not dumpable, /proc/self/uid_map is root's to write
     me = os.getpid()
     err_r, err_w = os.pipe2(os.O_CLOEXEC)

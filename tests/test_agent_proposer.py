@@ -415,3 +415,30 @@ def test_an_agent_run_as_nobody_writes_only_its_work_dir_and_signals_no_other_pr
         other.kill()
         other.wait()
         shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to the agent user needs root")
+def test_an_agent_reaches_its_home_under_roots_0700_state_dir_and_nothing_else_there():
+    """hwtune makes its state directory 0700: the agent, run as nobody in a work dir under it,
+    could not reach its HOME (nor {workdir}) by path, so an agent CLI writing ~/.config failed."""
+    import shutil
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="hwtune-agent-test-", dir=ROOT))
+    try:
+        os.chmod(top, 0o755)   # as /var/lib is
+        state = top / "state"
+        state.mkdir(mode=0o700)
+        (state / "ledger.sqlite").write_text("LEDGER-ROWS")
+        work = state / "agent" / "run" / "round-1"
+        work.mkdir(parents=True)
+        script = ('cd "$HOME" && mkdir -p "$HOME/.config" && echo "# from HOME" > "$HOME/candidate.py"; '
+                  'cat ../../../ledger.sqlite 2>/dev/null; ls ../../..')
+        outcome = run_agent(AgentConfig(argv=["/bin/sh", "-c", script], timeout_s=60, user="nobody"),
+                            work, hide=state)
+        assert outcome.status == "ok", outcome.reason
+        assert outcome.data == b"# from HOME\n" and (work / ".config").is_dir()
+        log = (work / "agent.log").read_text()
+        assert "LEDGER-ROWS" not in log and "ledger.sqlite" not in log, log
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
