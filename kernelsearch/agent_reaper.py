@@ -14,7 +14,8 @@ with the agent's environment and its stdout/stderr (agent.log). It
     work dir and its tmp/, which is /tmp, /var/tmp and /dev/shm there (nothing it leaves
     outlives the round outside its work dir; a /tmp that holds the work dir is left as it is);
   - runs the agent with no file larger than MAX_FILE_BYTES (its log included: RLIMIT_FSIZE)
-    and umask 077 (its work dir is its HOME: no other user reads what it keeps there);
+    and umask 077 (its work dir is its HOME: no other user reads what it keeps there), with no
+    new privileges (a setuid program runs with the agent's rights);
   - writes one JSON line to STATUS_FD: {"exited", "rc", "exec_error", "left"}.
 
 UID "-" runs the agent as this user. Not root, it then gets the same namespaces inside a user
@@ -31,7 +32,7 @@ import signal
 import sys
 import time
 
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 4, 36
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
 MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1   # Linux >= 5.12
@@ -230,6 +231,7 @@ def main(argv: list[str]) -> int:
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file, max_file))
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             os.umask(0o077)
+            _prctl(PR_SET_NO_NEW_PRIVS, 1)   # no setuid program runs with its owner's rights
             if uid is not None:
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)

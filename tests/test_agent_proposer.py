@@ -442,3 +442,13 @@ def test_an_agent_reaches_its_home_under_roots_0700_state_dir_and_nothing_else_t
         assert "LEDGER-ROWS" not in log and "ledger.sqlite" not in log, log
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_an_agent_gains_no_privileges_through_setuid_programs(tmp_path):
+    """The agent could run setuid-root programs (su, sudo, passwd, mount helpers) with their
+    privileges: one flaw in any of them was root for a command the search runs unvetted."""
+    script = ("status = open('/proc/self/status').read(); "
+              "open('candidate.py', 'w').write([l for l in status.splitlines() if l.startswith('NoNewPrivs')][0])")
+    outcome = run_agent(AgentConfig(argv=[sys.executable, "-c", script], timeout_s=60), tmp_path)
+    assert outcome.status == "ok", outcome.reason
+    assert outcome.data.split() == [b"NoNewPrivs:", b"1"]
