@@ -14,7 +14,7 @@ MAX_AGENT_FILE_BYTES (agent.log included), and -- when hwtune runs as root and a
 configured -- as that user. Either way (not root: in a user namespace mapped to hwtune's own
 user, where allowed) it runs in PID, IPC and mount namespaces of its own: no process outside
 to signal, every file system read-only but its work dir and its tmp/, which is its /tmp,
-/var/tmp and /dev/shm.
+/var/tmp and /dev/shm and is removed when the round ends.
 """
 from __future__ import annotations
 
@@ -320,6 +320,12 @@ def run_agent(config: AgentConfig, work_dir: Path, hide: Path | None = None) -> 
         status = {"exited": False, "rc": None, "exec_error": None}
     tail = _tail(log)
     log.close()
+    # the agent's /tmp (agent_reaper.py): it goes with the round, as a /tmp does; every process
+    # that could write it is gone, and rmtree neither follows nor removes through a link
+    try:
+        shutil.rmtree(work_dir / "tmp")
+    except OSError:
+        pass
     elapsed = time.time() - started
     if status.get("exec_error"):
         return AgentOutcome("failed", f"cannot start {argv[0]!r}: {status['exec_error']}", elapsed_s=elapsed)

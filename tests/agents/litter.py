@@ -4,3 +4,4 @@ import sys
 
 pathlib.Path("/tmp", sys.argv[1]).write_text("left by the agent\n")
 pathlib.Path("candidate.py").write_text("# placeholder\n")
+print("wrote /tmp/" + sys.argv[1])
