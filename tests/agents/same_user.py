@@ -1,5 +1,6 @@
 """A scripted agent run as the same user as the search: it tries to rewrite a file of the state
-directory (argv[1]) and to signal the search (pid argv[2]); candidate.py says what worked."""
+directory (argv[1]), to signal the search (pid argv[2]) and to reach it through /proc;
+candidate.py says what worked."""
 import os
 import sys
 
@@ -13,6 +14,12 @@ except OSError:
 try:
     os.kill(int(sys.argv[2]), 0)
     done.append("can signal the search")
+except OSError:
+    pass
+try:
+    with open(f"/proc/{int(sys.argv[2])}/environ", "rb") as f:
+        f.read()
+    done.append("can read the search's /proc (environ, fd, mem)")
 except OSError:
     pass
 with open("candidate.py", "w") as f:
