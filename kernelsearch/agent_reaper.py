@@ -15,7 +15,8 @@ with the agent's environment and its stdout/stderr (agent.log). It
     outlives the round outside its work dir; a /tmp that holds the work dir is left as it is);
   - runs the agent with no file larger than MAX_FILE_BYTES (its log included: RLIMIT_FSIZE)
     and umask 077 (its work dir is its HOME: no other user reads what it keeps there), with no
-    new privileges (a setuid program runs with the agent's rights);
+    new privileges (a setuid program runs with the agent's rights) and oom_score_adj 1000 (its
+    memory is not bounded: out of memory, the kernel kills the agent first, not hwtune);
   - writes one JSON line to STATUS_FD: {"exited", "rc", "exec_error", "left"}.
 
 UID "-" runs the agent as this user. Not root, it then gets the same namespaces inside a user
@@ -116,6 +117,8 @@ def _isolate(uid: int, gid: int, same_user: bool, hide: str | None) -> list[str]
     if not _set_readonly("/", True, recursive=True):
         return done
     ok = all([_set_readonly(here, False, recursive=False), *(_set_readonly(d, False, False) for d in writable)])
+    if os.path.isdir("/proc"):   # its own /proc/self (oom_score_adj below); the rest is by permission
+        ok = _set_readonly("/proc", False, recursive=False) and ok
     done.append("mount(read-only but the work dir)" if ok else "mount(read-only, some writable dirs not)")
     return done
 
@@ -232,6 +235,12 @@ def main(argv: list[str]) -> int:
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             os.umask(0o077)
             _prctl(PR_SET_NO_NEW_PRIVS, 1)   # no setuid program runs with its owner's rights
+            _prctl(PR_SET_DUMPABLE, 1)   # as after its exec; the reaper's 0 made /proc/self root's
+            try:   # memory is not bounded: out of memory, the agent goes first, not hwtune
+                with open("/proc/self/oom_score_adj", "w") as f:
+                    f.write("1000")
+            except OSError:
+                pass
             if uid is not None:
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)

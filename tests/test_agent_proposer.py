@@ -453,3 +453,12 @@ def test_an_agent_gains_no_privileges_through_setuid_programs(tmp_path):
     outcome = run_agent(AgentConfig(argv=[sys.executable, "-c", script], timeout_s=60), tmp_path)
     assert outcome.status == "ok", outcome.reason
     assert outcome.data.split() == [b"NoNewPrivs:", b"1"]
+
+
+def test_an_agent_that_takes_the_hosts_memory_is_the_out_of_memory_killers_first_choice(tmp_path):
+    """An agent's memory is not bounded (agent CLIs need gigabytes of address space), and the
+    OOM killer could pick the search, the daemon or the trusted executor instead of it."""
+    script = "open('candidate.py', 'w').write(open('/proc/self/oom_score_adj').read())"
+    outcome = run_agent(AgentConfig(argv=[sys.executable, "-c", script], timeout_s=60), tmp_path)
+    assert outcome.status == "ok", outcome.reason
+    assert int(outcome.data) == 1000
