@@ -70,6 +70,7 @@ class AgentOutcome:
     returncode: int | None = None
     elapsed_s: float = 0.0
     data: bytes = b""                # the candidate's bytes, read without following links
+    isolation: list = dataclasses.field(default_factory=list)   # namespaces it ran in (the reaper's)
 
 
 def context_notes(fingerprint: dict, model_family: str = "llama",
@@ -327,6 +328,14 @@ def run_agent(config: AgentConfig, work_dir: Path, hide: Path | None = None) -> 
     except OSError:
         pass
     elapsed = time.time() - started
+    isolation = [str(x) for x in status.get("isolation") or []]
+    out = _outcome(status, config, argv, tail, elapsed, work_dir, identity)
+    out.isolation = isolation
+    return out
+
+
+def _outcome(status: dict, config: AgentConfig, argv, tail: str, elapsed: float, work_dir: Path,
+             identity: dict) -> AgentOutcome:
     if status.get("exec_error"):
         return AgentOutcome("failed", f"cannot start {argv[0]!r}: {status['exec_error']}", elapsed_s=elapsed)
     if not status.get("exited"):
@@ -409,6 +418,7 @@ def agent_rounds(loop, config: AgentConfig, *, spec, rounds: int, ceilings, stat
     state_dir = Path(state_dir)
     keep_dir = state_dir / "candidates"
     keep_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    warned = False
     for i in range(rounds):
         if loop.deadline is not None and time.monotonic() >= loop.deadline:
             raise OutOfTime(f"{rounds - i} agent round(s) not started")
@@ -426,6 +436,13 @@ def agent_rounds(loop, config: AgentConfig, *, spec, rounds: int, ceilings, stat
             # the search's time limit bounds a round as well as when rounds start
             round_config = dataclasses.replace(config, timeout_s=max(0.1, loop.deadline - time.monotonic()))
         outcome = run_agent(round_config, work_dir, hide=state_dir)
+        if not warned and not any(i.startswith("mount(read-only but") for i in outcome.isolation):
+            # not root without user namespaces (or a unit that forbids them): nothing holds it
+            warned = True
+            who = _demote(config.user) or "this user"
+            loop.progress(f"warning: the agent ran without its namespaces "
+                          f"({', '.join(outcome.isolation) or 'none could be made here'}): it has "
+                          f"{who}'s rights on the whole host (state directory, other processes, /tmp)")
         if outcome.status == "timeout" and round_config is not config:
             outcome.reason = f"agent killed at the search's time limit ({outcome.reason})"
         if outcome.status != "ok":

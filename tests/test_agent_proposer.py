@@ -462,3 +462,30 @@ def test_an_agent_that_takes_the_hosts_memory_is_the_out_of_memory_killers_first
     outcome = run_agent(AgentConfig(argv=[sys.executable, "-c", script], timeout_s=60), tmp_path)
     assert outcome.status == "ok", outcome.reason
     assert int(outcome.data) == 1000
+
+
+def test_an_agent_run_without_its_namespaces_is_said(tmp_path, monkeypatch):
+    """Not root where user namespaces are not allowed (Ubuntu's default AppArmor), or under a
+    unit that forbids them, the agent ran with all of this user's rights and nothing said so."""
+    from types import SimpleNamespace
+
+    import kernelsearch.agent as agent_mod
+    from kernelsearch.kernels import template_path
+
+    reaper = tmp_path / "bare_reaper.py"   # the reaper where no namespace can be made
+    reaper.write_text("import json, os, subprocess, sys\n"
+                      "cmd = sys.argv[sys.argv.index('--') + 1:]\n"
+                      "rc = subprocess.call(cmd)\n"
+                      "os.write(int(sys.argv[1]), json.dumps({'exited': True, 'rc': rc, 'left': 0,"
+                      " 'isolation': [], 'exec_error': None}).encode())\n")
+    monkeypatch.setattr(agent_mod, "REAPER", reaper)
+    lines = []
+    ledger = SimpleNamespace(summary=lambda **kw: {}, attempts=lambda **kw: [])
+    loop = SimpleNamespace(kernel="rmsnorm", shapes=SHAPE, dtype=None, device="cpu", fingerprint=H200,
+                           fingerprint_id="fp", run_id="run", ledger=ledger, candidates={}, memo={},
+                           best_so_far=lambda: [], progress=lines.append,
+                           record=lambda *a: None, measure=lambda cands: None, deadline=None)
+    agent_mod.agent_rounds(loop, _agent("silent.py"), spec=get_spec("rmsnorm"), rounds=2, ceilings={},
+                           state_dir=tmp_path / "state", baseline_path=template_path("rmsnorm"))
+    warnings = [line for line in lines if line.startswith("warning: the agent ran without its namespaces")]
+    assert len(warnings) == 1 and "rights on the whole host" in warnings[0], lines
