@@ -10,9 +10,10 @@ with the agent's environment and its stdout/stderr (agent.log). It
   - ends (killing the agent and its helpers first) on SIGTERM, and gets SIGTERM when the
     process that started it dies;
   - as root: runs the agent as UID:GID with no supplementary groups, in PID, IPC and mount
-    namespaces of its own: no process outside to signal, every file system read-only but its
-    work dir and its tmp/, which is /tmp, /var/tmp and /dev/shm there (nothing it leaves
-    outlives the round outside its work dir; a /tmp that holds the work dir is left as it is);
+    namespaces of its own: no process outside to signal or see (its /proc is its namespace's),
+    every file system read-only but its work dir and its tmp/, which is /tmp, /var/tmp and
+    /dev/shm there (nothing it leaves outlives the round outside its work dir; a /tmp that
+    holds the work dir is left as it is);
   - runs the agent with no file larger than MAX_FILE_BYTES (its log included: RLIMIT_FSIZE)
     and umask 077 (its work dir is its HOME: no other user reads what it keeps there), with no
     new privileges (a setuid program runs with the agent's rights) and oom_score_adj 1000 (its
@@ -35,7 +36,7 @@ import time
 
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
-MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 0x1   # Linux >= 5.12
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
@@ -145,6 +146,16 @@ def _hide_around(top: str) -> bool:
         os.close(fd)
 
 
+def _own_proc() -> bool:
+    """In the agent (pid 1 of its PID namespace), before its exec: a /proc of that namespace in
+    a mount namespace of its own (the reaper's /proc must stay the host's, to find the agent's
+    processes): no other process of the host to look at (command lines, /proc/PID/mem of one
+    of the agent user's). Where it cannot be made the host's /proc stays."""
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        return False
+    return _libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) == 0
+
+
 def _children() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
@@ -229,6 +240,8 @@ def main(argv: list[str]) -> int:
         try:
             os.close(err_r)
             os.close(status_fd)
+            if "pid" in isolation:
+                _own_proc()
             for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file, max_file))

@@ -22,5 +22,7 @@ try:
     done.append("can read the search's /proc (environ, fd, mem)")
 except OSError:
     pass
+if os.path.exists(f"/proc/{int(sys.argv[2])}"):
+    done.append("sees the search in /proc")
 with open("candidate.py", "w") as f:
     f.write(f"# {done}\n")
