@@ -13,8 +13,9 @@ process it started is killed, setsid() helpers included), no file larger than
 MAX_AGENT_FILE_BYTES (agent.log included), and -- when hwtune runs as root and a user is
 configured -- as that user. Either way (not root: in a user namespace mapped to hwtune's own
 user, where allowed) it runs in PID, IPC and mount namespaces of its own: no process outside
-to signal, every file system read-only but its work dir and its tmp/, which is its /tmp,
-/var/tmp and /dev/shm and is removed when the round ends.
+to signal, every file system read-only but its work dir and its tmp/ (TMPDIR), which is its
+/tmp, /var/tmp and /dev/shm (but one holding the work dir or a file its command names: that
+one stays the host's, read-only) and is removed when the round ends.
 """
 from __future__ import annotations
 
@@ -102,8 +103,8 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "It is verified on fresh random inputs of every shape (several distributions), for "
              "unwritten outputs, input mutation, determinism and global state, then timed "
              "against stock. Start from `baseline.py`; see context/ for the hardware.",
-             "You run with this directory writable and nothing else on the file system (/tmp is "
-             "its tmp/), no file over "
+             "You run with this directory writable and nothing else on the file system (its tmp/ "
+             "is $TMPDIR and, mostly, /tmp), no file over "
              f"{MAX_AGENT_FILE_BYTES >> 20} MiB, and every process you start ends with the "
              "round: only what is in this directory when you exit is read.", "",
              "## Rules (checked before and while it runs; a breach is a rejection)",

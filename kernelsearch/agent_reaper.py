@@ -12,8 +12,8 @@ with the agent's environment and its stdout/stderr (agent.log). It
   - as root: runs the agent as UID:GID with no supplementary groups, in PID, IPC and mount
     namespaces of its own: no process outside to signal or see (its /proc is its namespace's),
     every file system read-only but its work dir and its tmp/, which is /tmp, /var/tmp and
-    /dev/shm there (nothing it leaves outlives the round outside its work dir; a /tmp that
-    holds the work dir is left as it is);
+    /dev/shm there (nothing it leaves outlives the round outside its work dir; one that holds
+    the work dir or a file the command names stays the host's, read-only), TMPDIR that tmp/;
   - runs the agent with no file larger than MAX_FILE_BYTES (its log included: RLIMIT_FSIZE)
     and umask 077 (its work dir is its HOME: no other user reads what it keeps there), with no
     new privileges (a setuid program runs with the agent's rights) and oom_score_adj 1000 (its
@@ -48,8 +48,10 @@ def _prctl(option: int, value: int) -> bool:
     return _libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) == 0
 
 
-def _private_tmp(uid: int, gid: int) -> list[str]:
-    """/tmp, /var/tmp, /dev/shm bound to WORKDIR/tmp (in a mount namespace of our own)."""
+def _private_tmp(uid: int, gid: int, command: list[str]) -> list[str]:
+    """/tmp, /var/tmp, /dev/shm bound to WORKDIR/tmp (in a mount namespace of our own), but
+    one that holds the work dir (a --state-dir under /tmp) or a file the command names (the
+    agent's program or script): that one stays the host's, read-only (TMPDIR is WORKDIR/tmp)."""
     tmp = os.path.join(os.getcwd(), "tmp")
     try:
         os.mkdir(tmp, 0o700)
@@ -59,11 +61,12 @@ def _private_tmp(uid: int, gid: int) -> list[str]:
     if not os.path.isdir(tmp) or os.path.islink(tmp) or st.st_uid not in (0, uid):
         return []
     os.chown(tmp, uid, gid)
-    here = os.path.realpath(os.getcwd())
+    needed = [os.path.realpath(os.getcwd())]
+    needed += [os.path.realpath(a) for a in command if a.startswith("/") and os.path.exists(a)]
     bound = []
     for d in PRIVATE_DIRS:
-        # a work dir under /tmp (a --state-dir there) stays reachable by its path: that one is kept
-        if os.path.isdir(d) and not here.startswith(os.path.realpath(d).rstrip("/") + "/"):
+        top = os.path.realpath(d).rstrip("/") + "/"
+        if os.path.isdir(d) and not any(path.startswith(top) for path in needed):
             if _libc.mount(tmp.encode(), d.encode(), None, MS_BIND, None) == 0:
                 bound.append(d)
     return bound
@@ -80,7 +83,7 @@ def _set_readonly(path: str, readonly: bool, recursive: bool) -> bool:
                          ctypes.byref(attr), ctypes.sizeof(attr)) == 0
 
 
-def _isolate(uid: int, gid: int, same_user: bool, hide: str | None) -> list[str]:
+def _isolate(uid: int, gid: int, same_user: bool, hide: str | None, command: list[str]) -> list[str]:
     """Namespaces for the agent (what was done, by name). As root (the agent then runs as
     UID:GID) or, not root, in a user namespace mapped to this same user (where allowed): its
     own PID namespace (no process outside it to signal, the agent's end ends all it started),
@@ -109,7 +112,7 @@ def _isolate(uid: int, gid: int, same_user: bool, hide: str | None) -> list[str]
     if _libc.unshare(CLONE_NEWNS) != 0 or _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
         return done
     hidden = bool(hide) and _hide_around(hide)
-    writable = _private_tmp(uid, gid)
+    writable = _private_tmp(uid, gid, command)
     here = os.getcwd()
     if not hidden:
         if _libc.mount(here.encode(), here.encode(), None, MS_BIND, None) != 0:
@@ -229,9 +232,10 @@ def main(argv: list[str]) -> int:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     isolation = []
     if uid is not None and os.geteuid() == 0:
-        isolation = _isolate(uid, gid, same_user=False, hide=hide)
+        isolation = _isolate(uid, gid, same_user=False, hide=hide, command=command)
     elif uid is None and os.geteuid() != 0:
-        isolation = _isolate(os.getuid(), os.getgid(), same_user=True, hide=hide)
+        isolation = _isolate(os.getuid(), os.getgid(), same_user=True, hide=hide,
+                             command=command)
     _prctl(PR_SET_DUMPABLE, 0)   # after: not dumpable, /proc/self/uid_map is root's to write
     me = os.getpid()
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -242,6 +246,8 @@ def main(argv: list[str]) -> int:
             os.close(status_fd)
             if "pid" in isolation:
                 _own_proc()
+            if os.path.isdir("tmp"):
+                os.environ["TMPDIR"] = os.path.join(os.getcwd(), "tmp")
             for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file, max_file))

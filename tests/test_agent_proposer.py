@@ -489,3 +489,35 @@ def test_an_agent_run_without_its_namespaces_is_said(tmp_path, monkeypatch):
                            state_dir=tmp_path / "state", baseline_path=template_path("rmsnorm"))
     warnings = [line for line in lines if line.startswith("warning: the agent ran without its namespaces")]
     assert len(warnings) == 1 and "rights on the whole host" in warnings[0], lines
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private /tmp needs root (mount namespace)")
+def test_an_agent_program_under_tmp_still_runs():
+    """The agent's /tmp became its work dir's tmp/, hiding the host's: an agent command under
+    /tmp (a script beside pytest's tmp_path, /tmp/agent.sh) was 'cannot start ...: No such
+    file'. Such a /tmp is now left as it is, read-only, with TMPDIR the agent's tmp/."""
+    import shutil
+    import tempfile
+    import uuid
+
+    here = Path(tempfile.mkdtemp(prefix="hwtune-agent-prog-", dir="/tmp"))
+    top = Path(tempfile.mkdtemp(prefix="hwtune-agent-test-", dir=ROOT))
+    name = f"hwtune-agent-litter-{uuid.uuid4().hex}"
+    try:
+        os.chmod(here, 0o755)
+        os.chmod(top, 0o755)
+        script = here / "agent.sh"
+        script.write_text("#!/bin/sh\n"
+                          f"touch /tmp/{name} 2>/dev/null && echo wrote /tmp\n"
+                          'f=$(mktemp) && echo "# via $f" > candidate.py\n')
+        script.chmod(0o755)
+        work = top / "round-1"
+        work.mkdir()
+        outcome = run_agent(AgentConfig(argv=[str(script)], timeout_s=60, user="nobody"), work)
+        assert outcome.status == "ok", outcome.reason
+        assert not Path("/tmp", name).exists()
+        assert outcome.data.startswith(f"# via {work}/tmp/".encode()), outcome.data
+    finally:
+        shutil.rmtree(here, ignore_errors=True)
+        shutil.rmtree(top, ignore_errors=True)
+        Path("/tmp", name).unlink(missing_ok=True)
