@@ -264,6 +264,11 @@ def main(argv: list[str]) -> int:
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)
                 os.setresuid(uid, uid, uid)
+            # after the drop (a credential change clears it): should the reaper die, the agent,
+            # pid 1 of its namespace, dies and takes every process there with it
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() not in (me, 0):   # 0: pid 1 of a namespace, its parent outside
+                os._exit(125)
             os.execvp(command[0], command)
         except BaseException as exc:  # noqa: BLE001 -- told to the reaper, which reports it
             why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__

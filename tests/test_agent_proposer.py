@@ -521,3 +521,48 @@ def test_an_agent_program_under_tmp_still_runs():
         shutil.rmtree(here, ignore_errors=True)
         shutil.rmtree(top, ignore_errors=True)
         Path("/tmp", name).unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to the agent user needs root")
+def test_the_agent_and_its_helpers_die_with_a_killed_reaper():
+    """SIGKILL to the reaper (the OOM killer, the search's last resort) left the agent, in its
+    own PID namespace, and its helpers running with no one to end them."""
+    import shutil
+    import tempfile
+    import threading
+
+    top = Path(tempfile.mkdtemp(prefix="hwtune-agent-test-", dir=ROOT))
+    try:
+        os.chmod(top, 0o755)
+        work = top / "round-1"
+        work.mkdir()
+        config = AgentConfig(argv=["/usr/bin/python3", str(AGENTS / "hang.py")], timeout_s=60, user="nobody")
+        worker = threading.Thread(target=run_agent, args=(config, work))
+        worker.start()
+        for _ in range(200):
+            if (work / "helper.pid").exists() and (work / "helper.pid").read_text():
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)
+        parents = {}
+        for p in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                parents[int(p)] = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                pass
+        reaper = [p for p, parent in parents.items() if parent == os.getpid()
+                  and b"agent_reaper.py" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(reaper) == 1
+        below, todo = [], list(reaper)
+        while todo:
+            up = todo.pop()
+            kids = [p for p, parent in parents.items() if parent == up]
+            below += kids
+            todo += kids
+        assert len(below) >= 2   # the agent and its helper (host pids)
+        os.kill(reaper[0], 9)
+        worker.join(30)
+        for pid in below:
+            _assert_gone(pid)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
