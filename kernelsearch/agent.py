@@ -40,6 +40,9 @@ CONTEXT_DIR = Path(__file__).resolve().parent.parent / "context"
 CANDIDATE_NAME = "candidate.py"
 REAPER = Path(__file__).resolve().parent / "agent_reaper.py"
 MAX_AGENT_FILE_BYTES = 64 << 20   # any file the agent writes, agent.log included (RLIMIT_FSIZE)
+# processes (threads too) of the agent user, host-wide (RLIMIT_NPROC; not set when the agent is
+# hwtune's own user, whose own processes would count): against a fork bomb, not a limit to meet
+MAX_AGENT_PROCESSES = 4096
 LOG_TAIL_BYTES = 4000
 
 # compute capability major -> note; consumer cards (no NVLink) are recognised by name
@@ -294,7 +297,7 @@ def run_agent(config: AgentConfig, work_dir: Path, hide: Path | None = None) -> 
     # The reaper (trusted, this user) runs the agent and, as a child subreaper, ends whatever the
     # agent started, setsid() helpers included: none lives past the round.
     reaper = [sys.executable, "-I", "-S", "-B", str(REAPER), str(status_w), str(os.getpid()),
-              repr(float(config.timeout_s)), str(MAX_AGENT_FILE_BYTES), *who,
+              repr(float(config.timeout_s)), str(MAX_AGENT_FILE_BYTES), str(MAX_AGENT_PROCESSES), *who,
               str(hide) if hide else "-", "--", *argv]
     try:
         proc = subprocess.Popen(reaper, cwd=work_dir, env=env, stdin=subprocess.DEVNULL,

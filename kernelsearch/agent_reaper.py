@@ -1,8 +1,8 @@
 """Runs one agent command and ends everything it started. Trusted; standard library only.
 
-Run as `python3 -I -S -B agent_reaper.py STATUS_FD PARENT_PID TIMEOUT_S MAX_FILE_BYTES UID GID
-HIDE -- COMMAND...` by kernelsearch.agent, as the user hwtune runs as, in the round's work directory,
-with the agent's environment and its stdout/stderr (agent.log). It
+Run as `python3 -I -S -B agent_reaper.py STATUS_FD PARENT_PID TIMEOUT_S MAX_FILE_BYTES
+MAX_PROCESSES UID GID HIDE -- COMMAND...` by kernelsearch.agent, as the user hwtune runs as, in
+the round's work directory, with the agent's environment and its stdout/stderr (agent.log). It
 
   - is a child subreaper: whatever the agent starts (a double fork with setsid included) stays
     its descendant, so that once the agent has exited or timed out every one of them is killed;
@@ -14,7 +14,8 @@ with the agent's environment and its stdout/stderr (agent.log). It
     every file system read-only but its work dir and its tmp/, which is /tmp, /var/tmp and
     /dev/shm there (nothing it leaves outlives the round outside its work dir; one that holds
     the work dir or a file the command names stays the host's, read-only), TMPDIR that tmp/;
-  - runs the agent with no file larger than MAX_FILE_BYTES (its log included: RLIMIT_FSIZE)
+  - runs the agent with no file larger than MAX_FILE_BYTES (its log included: RLIMIT_FSIZE),
+    as UID: at most MAX_PROCESSES processes of that user (RLIMIT_NPROC, against a fork bomb),
     and umask 077 (its work dir is its HOME: no other user reads what it keeps there), with no
     new privileges (a setuid program runs with the agent's rights) and oom_score_adj 1000 (its
     memory is not bounded: out of memory, the kernel kills the agent first, not hwtune);
@@ -221,8 +222,9 @@ def _kill_all(me: int, limit_s: float = 30.0) -> int:
 
 def main(argv: list[str]) -> int:
     status_fd, parent, timeout_s, max_file = int(argv[1]), int(argv[2]), float(argv[3]), int(argv[4])
-    uid, gid = (None, None) if argv[5] == "-" else (int(argv[5]), int(argv[6]))
-    hide = None if argv[7] == "-" else argv[7]
+    max_procs = int(argv[5])
+    uid, gid = (None, None) if argv[6] == "-" else (int(argv[6]), int(argv[7]))
+    hide = None if argv[8] == "-" else argv[8]
     command = argv[argv.index("--") + 1:]
     os.set_inheritable(status_fd, False)
     signal.signal(signal.SIGTERM, lambda *_: _stop.append(1))
@@ -261,6 +263,8 @@ def main(argv: list[str]) -> int:
             except OSError:
                 pass
             if uid is not None:
+                # counts every process of that user on the host (not settable for our own user)
+                resource.setrlimit(resource.RLIMIT_NPROC, (max_procs, max_procs))
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)
                 os.setresuid(uid, uid, uid)

@@ -566,3 +566,25 @@ def test_the_agent_and_its_helpers_die_with_a_killed_reaper():
             _assert_gone(pid)
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to the agent user needs root")
+def test_the_processes_an_agent_may_start_are_bounded(monkeypatch):
+    """A fork bomb run as the agent user had the host's process table to itself for its round."""
+    import shutil
+    import tempfile
+
+    import kernelsearch.agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "MAX_AGENT_PROCESSES", 40)
+    top = Path(tempfile.mkdtemp(prefix="hwtune-agent-test-", dir=ROOT))
+    try:
+        os.chmod(top, 0o755)
+        work = top / "round-1"
+        work.mkdir()
+        outcome = run_agent(AgentConfig(argv=["/usr/bin/python3", str(AGENTS / "fork_many.py")],
+                                        timeout_s=60, user="nobody"), work)
+        assert outcome.status == "ok", outcome.reason
+        assert int(outcome.data.split()[1]) < 40
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
