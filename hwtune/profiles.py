@@ -452,6 +452,11 @@ def load(name_or_path: str, profile_dir=None) -> Profile:
         if Path(name_or_path).is_file():
             # a bare name is a profile name: a file of that name here is read only as a path
             hint = f"the file {name_or_path} here is read as a path only: -p ./{name_or_path}"
+        if Path(name_or_path).suffix in (".yaml", ".yml") or "/" in str(name_or_path):
+            # a path is read as a path only: where profiles are looked up does not matter to it
+            stem = Path(name_or_path).stem
+            raise ProfileError("no such file", str(name_or_path), None, None,
+                               f"-p {stem} names the profile {stem!r}" if stem in _known_names(profile_dir) else None)
         raise ProfileError(f"profile {name_or_path!r} not found (looked in {profile_dir or '-'} and the shipped profiles: "
                            f"{', '.join(_known_names(profile_dir))})", str(name_or_path), None, None, hint)
     marks: dict = {}

@@ -115,3 +115,15 @@ def test_builtin_templates_pass_the_verifier(kernel):
     sweep = REGISTRY[kernel].shapes("cpu")
     v = evaluate(kernel, template, device="cpu", shapes=[sweep[1], sweep[-1]], time_it=False)
     assert v.accepted, f"{v.guard}: {v.reason}"
+
+
+def test_no_time_text_says_not_timed_and_an_odd_path_cannot_print_a_line_of_its_own(tmp_path):
+    # Before: --no-time printed 'speedup = stock_ms / cand_ms' beneath a table with no times, and a
+    # path holding a newline put a line of its choosing after the verdict ('...: accepted').
+    odd = tmp_path / "x.py\ncheck-kernel softmax y.py: accepted (params {})"
+    odd.write_bytes((CANDIDATES / "hack_partial_write.py").read_bytes())
+    proc = run_hwtune("check-kernel", "rmsnorm", odd, "--device", "cpu", "--no-time", timeout=600)
+    assert proc.returncode == 1, proc.stderr
+    assert "not timed (--no-time)" in proc.stdout and "speedup = " not in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "REJECTED" in lines[0] and "\\n" in lines[0], proc.stderr

@@ -117,7 +117,7 @@ def test_device_cuda_without_a_gpu_is_an_environment_error_exit_2(tmp_path):
 
 @pytest.mark.parametrize("shape,why", [("M=2", "rmsnorm shapes have dims M, N (got M)"),
                                        ("Q=1", "rmsnorm shapes have dims M, N (got Q)"),
-                                       ("M=0,N=8", "M must be positive"),
+                                       ("M=0,N=8", "M must be a positive integer"),
                                        ("M=x", "shape 'M=x': expected")])
 def test_search_shape_with_the_wrong_dims_is_a_usage_error(tmp_path, shape, why):
     proc = run_hwtune("--state-dir", tmp_path / "state", "search", "rmsnorm", "--device", "cpu", "--shape", shape)

@@ -206,3 +206,17 @@ def test_percent_power_limit_is_of_the_default_limit(tmp_path):
         """))
     proc = run_hwtune("--sim", sim, "plan", "-p", prof, "--json", check=True)
     assert {c["new"] for c in json.loads(proc.stdout)["changes"]} == {560}
+
+
+def test_a_profile_path_that_does_not_exist_says_no_such_file(tmp_path):
+    # Before: '-p /missing.yaml' said "profile '/missing.yaml' not found (looked in
+    # /etc/hwtune/profiles and the shipped profiles ...)": a path is never looked up there.
+    sim = make_sim(tmp_path)
+    for path, hint in ((tmp_path / "missing.yaml", None), ("./nosuch/x", None),
+                       ("throughput.yaml", "-p throughput names the profile 'throughput'")):
+        proc = run_hwtune("--sim", sim, "plan", "-p", path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"{path}: no such file" in proc.stderr and "looked in" not in proc.stderr, proc.stderr
+        assert hint is None or hint in proc.stderr
+    proc = run_hwtune("--sim", sim, "plan", "-p", "nosuch")   # a name is still looked up
+    assert proc.returncode == 2 and "profile 'nosuch' not found (looked in" in proc.stderr

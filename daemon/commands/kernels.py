@@ -52,7 +52,7 @@ def _fmt_ms(v: float) -> str:
     return "-" if v is None or not math.isfinite(v) else f"{v:.4f}"
 
 
-def _print_table(verdict, out) -> None:
+def _print_table(verdict, out, timed: bool = True) -> None:
     print(f"{'shape':<34} {'dtype':<9} {'err':>9} {'cand_ms':>10} {'stock_ms':>10} {'speedup':>8} "
           f"{'noise':>7}  timing", file=out)
     for s in verdict.shapes:
@@ -67,7 +67,9 @@ def _print_table(verdict, out) -> None:
               f"{speed:>8} {noise:>7}  {how}", file=out)
     from kernelsearch.specs import SPECS
 
-    if verdict.kernel in SPECS:
+    if not timed:
+        print("not timed (--no-time): verified only", file=out)
+    elif verdict.kernel in SPECS:
         print(f"speedup = stock_ms / cand_ms; stock is {SPECS[verdict.kernel].stock_name}, as a user calls it",
               file=out)
     if verdict.isolation:
@@ -106,11 +108,13 @@ def run_check_kernel(args, ctx) -> int:
         json.dump(verdict.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     elif verdict.shapes:   # a file refused before any shape ran (not Python, empty) has no table
-        _print_table(verdict, sys.stdout)
+        _print_table(verdict, sys.stdout, timed=not args.no_time)
+    # a path is the user's, but a newline in it would print a line of its choosing
+    shown = str(args.file) if str(args.file).isprintable() else ascii(str(args.file))
     if verdict.accepted:
-        print(f"check-kernel {args.kernel} {args.file}: accepted (params {json.dumps(verdict.params)})",
+        print(f"check-kernel {args.kernel} {shown}: accepted (params {json.dumps(verdict.params)})",
               file=sys.stderr)
         return 0
-    print(f"check-kernel {args.kernel} {args.file}: REJECTED by guard {verdict.guard}: {verdict.reason}",
+    print(f"check-kernel {args.kernel} {shown}: REJECTED by guard {verdict.guard}: {verdict.reason}",
           file=sys.stderr)
     return 1

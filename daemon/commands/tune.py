@@ -17,7 +17,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", choices=("throughput", "energy"), default="energy",
                    help="energy: most tokens/J at >= FLOOR x stock tokens/s; throughput: most tokens/s")
     p.add_argument("--floor", type=float, default=0.98, help="throughput floor for --objective energy")
-    p.add_argument("--budget", type=int, default=12, help="hardware points measured (stock included)")
+    p.add_argument("--budget", type=int, default=12, help="at most this many hardware points measured (stock included); the search may stop sooner")
     p.add_argument("--exhaustive", action="store_true",
                    help="also sweep the whole space and compare (evaluations used, best vs exhaustive best)")
     p.add_argument("--workload", choices=("decode", "gemm", "copy"), default="decode",

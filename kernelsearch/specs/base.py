@@ -204,7 +204,7 @@ class KernelSpec:
             return f"{self.name} shapes have dims {', '.join(keys)} (got {', '.join(dims) or 'none'})"
         bad = [k for k, v in dims.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
         if bad:
-            return f"{', '.join(bad)} must be positive integers"
+            return f"{', '.join(bad)} must be " + ("a positive integer" if len(bad) == 1 else "positive integers")
         return None
 
     def call_shape(self, args) -> dict:
