@@ -489,21 +489,25 @@ def _apply_changes(host, profile, journal: Journal, changes: list, result: Apply
             _fail(host, journal, done, added + target_added, why, log, sig)
         except BaseException as exc:
             # The failing write may have happened: put it back too.
-            if current is not None and current not in target_done:
+            tried = current is not None and current not in target_done
+            if tried:
                 target_done.append(current)
             why = str(exc) or type(exc).__name__
             _fail(host, journal, done + target_done, added + target_added, why, log, sig,
-                  exc.signo if isinstance(exc, _Stopped) else None)
+                  exc.signo if isinstance(exc, _Stopped) else None, tried)
         done.extend(target_done)
         added.extend(target_added)
         result.changed.extend(c for c, _ in target_done)
     journal.finish(COMMITTED)
 
 
-def _fail(host, journal: Journal, done: list, added: list, why: str, log, sig, signo: int | None = None) -> None:
+def _fail(host, journal: Journal, done: list, added: list, why: str, log, sig, signo: int | None = None,
+          tried: bool = False) -> None:
+    """`tried`: the last of `done` is the write that failed, which may have happened."""
     signo = signo if signo is not None else sig.stop
     head = f"interrupted by {signals.name(signo)}" if signo is not None and why.startswith("interrupted") else f"apply failed: {why}"
-    log(f"{head}; restoring {len(done)} change(s)")
+    count = f"{len(done) - 1 if tried else len(done)} change(s)" + (" and the setting whose write failed" if tried else "")
+    log(f"{head}; restoring {count}")
     failures = _undo(host, done, log)
     if failures:
         try:
@@ -518,7 +522,7 @@ def _fail(host, journal: Journal, done: list, added: list, why: str, log, sig, s
         end = "the host is as it was"
     except HwtuneError as exc:
         end = f"the host is as it was, but the journal could not be updated ({exc}); `hwtune rollback` clears it"
-    text = f"{head}; restored {len(done)} change(s), {end}"
+    text = f"{head}; restored {count}, {end}"
     raise signals.Interrupted(signo, text) if signo is not None else ApplyFailed(text)
 
 

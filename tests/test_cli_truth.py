@@ -217,3 +217,22 @@ def test_share_export_takes_json_like_every_command_that_prints_for_scripts(tmp_
     assert plain.returncode == 0 and "attempts" in json.loads(plain.stdout)
     bad = run_hwtune("--state-dir", state, "share", "export", "--device", "cpu", "--json", "-o", tmp_path / "no" / "b")
     assert bad.returncode == 2 and json.loads(bad.stdout)["exit_code"] == 2
+
+
+def test_a_failed_apply_counts_the_changes_it_made_apart_from_the_write_that_failed(tmp_path):
+    # Before: 3 settings changed, the 4th write failed, and apply said 'restoring 4 change(s)' and
+    # 'restored 4 change(s)': the failed write (put back in case it happened) counted as a change.
+    from hwtune.backends.sim import SimFile
+
+    sim = make_sim(tmp_path)
+    SimFile(sim).update(lambda d: d.__setitem__("faults", [{"op": "set_power_limit", "gpu": 1, "error": "Unknown"}]))
+    before = SimFile(sim).read()
+    profile = write_profile(tmp_path, "p", "gpu:\n  power_limit_w: 500\n  persistence_mode: true\n")
+    proc = run_hwtune("--sim", sim, "apply", "-p", profile)
+    _no_traceback(proc)
+    assert proc.returncode == 1
+    assert "restoring 3 change(s) and the setting whose write failed" in proc.stderr, proc.stderr
+    last = _messages(proc)[-1]
+    assert last.startswith("hwtune apply: apply failed: gpu1 set_power_limit: Unknown; restored 3 change(s) and "
+                           "the setting whose write failed, the host is as it was"), last
+    assert SimFile(sim).read()["gpus"] == before["gpus"]
