@@ -176,6 +176,8 @@ def test_baseline_report_has_ratios_notes_and_a_png(tiny_run, tmp_path, hwtune_c
     png = (tmp_path / "cmp" / "report.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     assert "eager" in proc.stdout  # the table for people
+    # the comparison on the terminal too, not only in report.md (before: the table alone)
+    assert "against baseline cloud-vm" in proc.stdout and "tokens/s (" in proc.stdout, proc.stdout
 
 
 def test_report_from_recorded_results_compares_without_measuring(tiny_run, tmp_path, hwtune_cli):
@@ -187,6 +189,8 @@ def test_report_from_recorded_results_compares_without_measuring(tiny_run, tmp_p
     assert "Both runs are virtualized" in md or not doc["fingerprint"]["virtualization"]["virtualized"]
     assert (tmp_path / "r" / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert proc.returncode == 0
+    assert "against baseline" in proc.stdout and "decode eager B=2 ctx=16:" in proc.stdout, proc.stdout
+    assert "(1.00x)" in proc.stdout
 
 
 def test_command_workload_metric_is_the_last_matching_line(tmp_path, hwtune_cli):

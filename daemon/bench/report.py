@@ -82,6 +82,26 @@ def notes(doc: dict, base: dict | None) -> list[str]:
     return out
 
 
+def comparison_text(doc: dict, base: dict) -> str:
+    """The baseline comparison for the terminal: the report's ratios, one line a row both runs
+    measured (what differs between the runs is said on stderr)."""
+    rows, brows = _rows(doc), _rows(base)
+    lines = [f"against baseline {base.get('label')} ({(base.get('model') or {}).get('name')}, "
+             f"{base.get('created') or 'undated'}): tokens/s and tokens/J, this run / baseline"]
+    shared = sorted(set(rows) & set(brows), key=lambda k: (k[0], k[2], k[3], k[1]))
+    for key in shared:
+        r, b = rows[key], brows[key]
+        rs = r["tokens_per_s"] / b["tokens_per_s"] if r.get("tokens_per_s") and b.get("tokens_per_s") else None
+        rj = r["tokens_per_j"] / b["tokens_per_j"] if r.get("tokens_per_j") and b.get("tokens_per_j") else None
+        where = f" B={key[2]} {'ctx' if key[0] == 'decode' else 'tokens'}={key[3]}" if key[0] != "workload" else ""
+        lines.append(f"  {key[0]} {_variant_label(doc, r, key[1])}{where}: "
+                     f"{_fmt(r.get('tokens_per_s'), '.0f')} vs {_fmt(b.get('tokens_per_s'), '.0f')} tokens/s "
+                     f"({_fmt(rs, '.2f')}x), tokens/J {_fmt(rj, '.2f')}x")
+    if not shared:
+        lines.append("  no row was measured in both runs (other variants, batches or lengths): nothing to divide")
+    return "\n".join(lines)
+
+
 def _fmt(v, spec=".1f"):
     return "-" if v is None else format(v, spec)
 

@@ -233,6 +233,9 @@ def run_bench(args, ctx) -> int:
         w = doc.get("workload")
         if w:
             print(f"workload: {w.get('status')}: metric {w.get('metric')}")
+        if baseline is not None:
+            from daemon.bench.report import comparison_text
+            print(comparison_text(doc, baseline))
     w = doc.get("workload")
     if w and w.get("status") != "ok":
         return 1
