@@ -356,6 +356,33 @@ def test_training_mode_runs_the_original_modules():
 
 
 
+@pytest.mark.parametrize("where", ["mlp.up_proj", "mlp.down_proj", "self_attn.q_proj", "self_attn.o_proj",
+                                   "mlp", "self_attn", "input_layernorm"])
+def test_a_users_forward_hook_on_a_module_the_patch_bypasses_still_runs(where):
+    """q/k/v/o and gate/up/down are computed from the fused weights (F.linear or hwtune::linear),
+    and a fused layer calls its children's parts, not the children: a forward hook there (activation
+    capture, steering) silently did not run and the logits were not the hooked model's. That part
+    now stays the model's own, with one line naming the hook."""
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(14))
+    model = tiny_model("Llama")
+    calls = []
+
+    def double(module, args, out):
+        calls.append(1)
+        return (out[0] * 2, *out[1:]) if isinstance(out, tuple) else out * 2
+
+    model.model.layers[0].get_submodule(where).register_forward_hook(double)
+    want = prefill_and_decode(model, ids)
+    n = len(calls)
+    calls.clear()
+    report = patch(model, counting_table(), stock_through_ops=True)
+    got = prefill_and_decode(model, ids)
+    assert len(calls) == n
+    assert max(rel_err(w, g) for w, g in zip(want, got)) < 1e-5
+    assert any("forward hooks on" in line and where.split(".")[-1] in line for line in report.stock), report.stock
+    assert report.patched["attention"] >= 1 and report.patched["mlp"] >= 1   # the other layer is patched
+
+
 @pytest.mark.parametrize("stock_through_ops", [False, True], ids=["routed", "every-shape"])
 def test_backward_through_an_eval_mode_model_gives_the_unpatched_gradients(stock_through_ops):
     """Autograd recording (grad mode on, parameters that require grad) runs the original modules:

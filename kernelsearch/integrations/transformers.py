@@ -67,7 +67,10 @@ torch.no_grad() / torch.inference_mode() (generate does) to use the kernels.
 Hooks: a swapped module takes over the forward hooks of the module it replaces, and gives back at
 unpatch the ones registered on it meanwhile (transformers 5 installs its output-recording hooks
 once per model); where it runs the original, it calls the original's forward, so those hooks run
-once, on the swapped module. A fused decoder layer is an instance of the model's own decoder-layer class (a
+once, on the swapped module. A forward hook of the user's on a module the patched code does not
+call as a module (q/k/v/o_proj, gate/up/down_proj: computed from the fused weights; a fused
+layer's norms, attention and MLP) leaves that MLP, attention or layer the model's own, with one
+line in the report (hooks registered there after patch() are not seen). A fused decoder layer is an instance of the model's own decoder-layer class (a
 subclass made at patch time), so output_hidden_states records every layer as unpatched; so is a
 patched attention, and while output_attentions is asked for, it and the fused layers run the
 model's own code (hwtune's kernels compute no attention weights).
@@ -729,6 +732,31 @@ def _fused_layer_problem(layer) -> str | None:
         return "its attention stays the model's own (see above)"
     if not isinstance(layer.mlp, HwtuneMLP):
         return "its MLP stays the model's own (see above)"
+    hooked = _hooked(layer, sorted(LAYER_CHILDREN))
+    if hooked:
+        return f"forward hooks on {hooked} (the fused layer does not call it)"
+    return None
+
+
+def _user_hooks(module: nn.Module) -> bool:
+    """Whether `module` has forward (pre-)hooks besides transformers' own output recording
+    (installed on decoder layers and attention modules; output_attentions / output_hidden_states
+    are handled by the patched modules themselves)."""
+    for attr in ("_forward_hooks", "_forward_pre_hooks"):
+        for hook in (getattr(module, attr, None) or {}).values():
+            if not getattr(hook, "__module__", "").startswith("transformers.utils.output_capturing"):
+                return True
+    return False
+
+
+def _hooked(parent: nn.Module, names) -> str | None:
+    """The first of `parent`'s children `names` with a user's forward hook, or None: a module the
+    patched code does not call as a module (a projection computed inside a fused weight, a child
+    of a fused layer), whose hooks would silently not run."""
+    for name in names:
+        child = getattr(parent, name, None)
+        if child is not None and _user_hooks(child):
+            return name
     return None
 
 
@@ -912,14 +940,22 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
             else:
                 skipped.setdefault(f"layers.*.{name}", type(module).__name__)
         mlp = getattr(layer, "mlp", None)
-        if mlp is not None and _is_gated_mlp(mlp, config):
+        hooked = mlp is not None and _hooked(mlp, ("gate_proj", "up_proj", "down_proj"))
+        if hooked:
+            report.stock.append(f"layers.{i}.mlp: forward hooks on {hooked}, which the fused gate|up "
+                                "projection would not call; that MLP stays the model's own")
+        elif mlp is not None and _is_gated_mlp(mlp, config):
             swap(layer, "mlp", HwtuneMLP(mlp, routes, record.shared), "mlp")
         else:
             skipped.setdefault("layers.*.mlp", f"{type(mlp).__name__} (act {getattr(config, 'hidden_act', '?')})")
         attn = getattr(layer, "self_attn", None)
         if rope_problem or i in sliding:
             continue
-        if attn is not None and _is_attention(attn):
+        hooked = attn is not None and _hooked(attn, ("q_proj", "k_proj", "v_proj", "o_proj"))
+        if hooked:
+            report.stock.append(f"layers.{i}.self_attn: forward hooks on {hooked}, which the fused q|k|v "
+                                "projection would not call; that attention stays the model's own")
+        elif attn is not None and _is_attention(attn):
             for norm in ("q_norm", "k_norm"):
                 if getattr(attn, norm, None) is not None:
                     swap(attn, norm, HwtuneRMSNorm(getattr(attn, norm), routes), "rms_norm")
