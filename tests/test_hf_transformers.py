@@ -132,6 +132,29 @@ def test_a_table_for_another_device_says_so_in_one_line():
     assert model.model.norm._tuned == frozenset()
 
 
+def test_a_table_entry_whose_kernel_changed_since_the_search_is_left_out_with_one_line():
+    """An entry whose source no longer hashes to its source_hash (the kernel file edited, a
+    template changed by an upgrade) runs stock in dispatch.route; the patch still counted it as a
+    tuned shape and sent that shape through the op (one opaque stock node under torch.compile),
+    and the report said nothing."""
+    from kernelsearch.fingerprint import collect, fingerprint_id
+    from kernelsearch.kernels import TEMPLATES
+
+    model = tiny_model("Llama")
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(15))
+    want = prefill_and_decode(model, ids)
+    row = {"kernel": "rmsnorm", "dtype": "float32", "shape": {"M": 2, "N": 64}, "params": {},
+           "source": {"module": TEMPLATES["rmsnorm"]}, "source_hash": "0" * 64, "plan": {"grid": [1]}}
+    table = dispatch.DispatchTable({"format": 1, "fingerprint_id": fingerprint_id(collect("cpu")),
+                                    "entries": [row]})
+    report = patch(model, table)
+    assert "0 tuned shapes" in report.table
+    assert len(report.stock) == 1 and "1 of 1 table entries left out" in report.stock[0]
+    assert model.model.norm._tuned == frozenset()
+    assert max(rel_err(w, g) for w, g in zip(want, prefill_and_decode(model, ids))) < 1e-5
+    assert table.counts == {}
+
+
 @pytest.mark.parametrize("name", CLASSES)
 def test_generate_with_a_static_cache_gives_the_unpatched_tokens_and_logits(name):
     model = tiny_model(name)

@@ -899,6 +899,17 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
             report.stock.append(f"the table's entries are for {table.data.get('fingerprint_id')}, this "
                                 f"{device_type} device is {here}: no tuned kernel, every op stays stock")
             entries = []
+    stale = [e for e in entries if not table.usable(e)]
+    if stale:
+        # the op would run stock for them anyway (dispatch.route), but as one opaque node
+        # under torch.compile, and the report would count them as tuned
+        report.stock.append(f"{len(stale)} of {len(entries)} table entries left out: their kernel source is "
+                            "missing or changed since the search (hash), or their plan does not fit it; "
+                            "those shapes run the model's own code (search again to tune them)")
+        entries = [e for e in entries if table.usable(e)]
+    if table.invalid:
+        report.stock.append(f"{len(table.invalid)} table entries did not parse and are left out "
+                            f"({table.invalid[0][:120]})")
     if entries:
         # persistent workspaces (split-K arrival counters) allocated now, not inside the
         # first compiled call, where cudagraph trees would put them in their private pool
