@@ -363,6 +363,15 @@ def test_an_unknown_model_class_stays_stock_with_one_line():
     assert report.patched == {} and len(report.stock) == 1 and "LlamaForSequenceClassification" in report.stock[0]
 
 
+def test_a_model_compiled_before_patch_is_refused_naming_the_order():
+    """patch(torch.compile(model)) said 'model class OptimizedModule: hwtune patches
+    LlamaForCausalLM, ...' of a LlamaForCausalLM."""
+    model = torch.compile(tiny_model("Llama"))
+    report = patch(model, counting_table())
+    assert report.patched == {} and len(report.stock) == 1
+    assert "OptimizedModule of LlamaForCausalLM" in report.stock[0] and "before compiling" in report.stock[0]
+
+
 def test_training_mode_runs_the_original_modules():
     model = tiny_model("Llama")
     ids = torch.randint(0, 128, (1, 4))

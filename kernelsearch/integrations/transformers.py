@@ -873,6 +873,10 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
     if table is None:
         problem = "no dispatch table (pass table= or call kernelsearch.dispatch.use(table)): " \
                   "the whole model stays stock"
+    elif isinstance(getattr(model, "_orig_mod", None), nn.Module):   # torch.compile's OptimizedModule
+        problem = f"{type(model).__name__} of {type(model._orig_mod).__name__} is torch.compile's wrapper: " \
+                  "patch the model before compiling it (patch(model), then torch.compile(model)); " \
+                  "the whole model stays stock"
     elif type(model).__name__ not in SUPPORTED or not hasattr(getattr(model, "model", None), "layers"):
         problem = f"model class {type(model).__name__}: hwtune patches {', '.join(SUPPORTED)}; " \
                   "the whole model stays stock"
