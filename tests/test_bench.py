@@ -178,6 +178,10 @@ def test_baseline_report_has_ratios_notes_and_a_png(tiny_run, tmp_path, hwtune_c
     assert "eager" in proc.stdout  # the table for people
     # the comparison on the terminal too, not only in report.md (before: the table alone)
     assert "against baseline cloud-vm" in proc.stdout and "tokens/s (" in proc.stdout, proc.stdout
+    # said where the run is read too, not only in report.md (the terminal and results.json)
+    assert "against " in proc.stderr and "GPUs differ" in proc.stderr and "environment fields that differ" in proc.stderr
+    said = json.loads((tmp_path / "cmp" / "results.json").read_text())["baseline"]["differences"]
+    assert any("GPUs differ" in line for line in said)
 
 
 def test_report_from_recorded_results_compares_without_measuring(tiny_run, tmp_path, hwtune_cli):

@@ -215,7 +215,9 @@ def run_bench(args, ctx) -> int:
     doc.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     if baseline is not None:
         doc["baseline"] = {"path": str(args.baseline), "label": baseline.get("label"),
-                           "created": baseline.get("created")}
+                           "created": baseline.get("created"), "differences": _baseline_differences(doc, baseline)}
+        for line in doc["baseline"]["differences"]:
+            print(f"hwtune bench: against {args.baseline}: {line}", file=sys.stderr)
 
     if out_dir is not None:
         from daemon.bench.report import write_report
@@ -243,6 +245,21 @@ def run_bench(args, ctx) -> int:
     if not w and not ok_rows:
         return 1
     return 0
+
+
+def _baseline_differences(doc: dict, baseline: dict) -> list[str]:
+    """What makes the comparison with `baseline` other than like for like (the report's notes on
+    it: GPUs, virtualization, model, dtype; and how many fingerprint fields differ), said on the
+    terminal and kept in results.json, not only in report.md."""
+    from daemon.bench.report import fingerprint_diff, notes
+
+    own = notes(doc, None)
+    out = [line for line in notes(doc, baseline) if line not in own]
+    diff = fingerprint_diff(doc.get("fingerprint"), baseline.get("fingerprint"))
+    if diff:
+        fields = ", ".join(k for k, _, _ in diff[:4]) + (", ..." if len(diff) > 4 else "")
+        out.append(f"environment fields that differ: {len(diff)} ({fields}; report.md lists them)")
+    return out
 
 
 def _measure(args, ctx) -> dict:
