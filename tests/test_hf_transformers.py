@@ -434,6 +434,25 @@ def test_backward_through_an_eval_mode_model_gives_the_unpatched_gradients(stock
     assert table.counts or not stock_through_ops
 
 
+@pytest.mark.parametrize("stock_through_ops", [False, True], ids=["routed", "every-shape"])
+def test_autocast_runs_the_models_own_code_and_gives_the_unpatched_logits(stock_through_ops):
+    """Under torch.autocast a routed call met the autocast dtype beside the fp32 weights:
+    'hwtune::rope: tensors must share one dtype' from inside the op (or an fp32 result where the
+    unpatched model computes in bf16)."""
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(16))
+    model = tiny_model("Llama")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = prefill_and_decode(model, ids)
+    table = counting_table()
+    patch(model, table, stock_through_ops=stock_through_ops)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = prefill_and_decode(model, ids)
+    assert max(rel_err(w, g) for w, g in zip(want, got)) == 0
+    assert table.counts == {}
+    prefill_and_decode(model, ids)   # outside autocast the ops run again
+    assert table.counts or not stock_through_ops
+
+
 @pytest.mark.parametrize("move", ["to-float16", "deepcopy"])
 def test_weights_loaded_after_a_dtype_move_or_a_deepcopy_reach_the_patched_model(move):
     """model.to(dtype) and copy.deepcopy gave the q/k/v and gate/up parameters storage apart from

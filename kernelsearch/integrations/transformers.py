@@ -63,7 +63,8 @@ its implicit-fallback log line at the first compile).
 Inference only: hwtune's ops have no backward; a module in training mode, or called where
 autograd records (grad enabled and the input or a parameter requires grad: `loss.backward()` on
 an eval-mode model), runs the original, so gradients reach every parameter. Run inference under
-torch.no_grad() / torch.inference_mode() (generate does) to use the kernels.
+torch.no_grad() / torch.inference_mode() (generate does) to use the kernels. Under torch.autocast
+the patched modules run the originals too (the ops take one dtype; cast the model instead).
 Hooks: a swapped module takes over the forward hooks of the module it replaces, and gives back at
 unpatch the ones registered on it meanwhile (transformers 5 installs its output-recording hooks
 once per model); where it runs the original, it calls the original's forward, so those hooks run
@@ -167,9 +168,12 @@ def _uses(tuned, key) -> bool:
 def _runs_original(module: nn.Module, x) -> bool:
     """The original module runs this call: training mode, or autograd records it (grad mode on and
     the input or a parameter requires grad). hwtune's ops have no backward and the fused q|k|v
-    and gate|up weights are detached, so the patched path would give no gradients (or fail)."""
-    return module.training or (torch.is_grad_enabled() and
-                               (x.requires_grad or any(p.requires_grad for p in module.parameters())))
+    and gate|up weights are detached, so the patched path would give no gradients (or fail).
+    Also under torch.autocast: the ops are not autocast (they take one dtype and return it), so
+    a routed call saw the autocast dtype beside the weights' and failed, or computed in another
+    dtype than the unpatched model."""
+    return module.training or torch.is_autocast_enabled(x.device.type) or \
+        (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters())))
 
 
 def _records_attentions() -> bool:
