@@ -415,6 +415,28 @@ def test_a_users_forward_hook_on_a_module_the_patch_bypasses_still_runs(where):
     assert report.patched["attention"] >= 1 and report.patched["mlp"] >= 1   # the other layer is patched
 
 
+@pytest.mark.parametrize("name", ["Llama", "Qwen2"])
+def test_training_mode_reaches_the_original_modules_dropout(name):
+    """model.train() set the swapped modules' mode but not the originals' (not registered as
+    submodules), which run in training mode: the attention's dropout (attention_dropout) stayed
+    off and the patched model trained with other losses than the unpatched one."""
+    import copy
+
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(17))
+    want = tiny_model(name, attention_dropout=0.5, attn_implementation="eager")
+    model = copy.deepcopy(want)
+    patch(model, counting_table(), stock_through_ops=True)
+    losses = []
+    for m in (want.train(), model.train()):
+        torch.manual_seed(3)
+        losses.append(float(m(ids, labels=ids).loss))
+    assert losses[0] == losses[1]
+    model.eval()
+    assert not any(mod.training for mod in model.modules())
+    unpatch(model)
+    assert not any(mod.training for mod in model.modules())
+
+
 @pytest.mark.parametrize("stock_through_ops", [False, True], ids=["routed", "every-shape"])
 def test_backward_through_an_eval_mode_model_gives_the_unpatched_gradients(stock_through_ops):
     """Autograd recording (grad mode on, parameters that require grad) runs the original modules:

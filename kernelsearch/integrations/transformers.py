@@ -212,8 +212,19 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def _train_with_original(self, mode: bool = True):
+    """nn.Module.train, and the same mode for the original module (not a registered submodule,
+    so model.train() did not reach it): where the original runs (training mode), its dropout
+    (attention_dropout) must see the mode the user set."""
+    nn.Module.train(self, mode)
+    self._hwtune_original[0].train(mode)
+    return self
+
+
 class HwtuneRMSNorm(nn.Module):
     """RMSNorm through hwtune::rms_norm; same `weight` parameter and `variance_epsilon`."""
+
+    train = _train_with_original
 
     def __init__(self, original: nn.Module, routes: _Routes):
         super().__init__()
@@ -249,6 +260,8 @@ class _Projection:
 
 class HwtuneLinear(nn.Module):
     """nn.Linear through hwtune::linear (the lm_head); same `weight` (and `bias`) parameters."""
+
+    train = _train_with_original
 
     def __init__(self, original: nn.Linear, routes: _Routes):
         super().__init__()
@@ -292,6 +305,8 @@ def _refuse_after_setstate(self, state):
 class HwtuneMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) as hwtune::linear on gate|up, hwtune::swiglu, hwtune::linear."""
 
+    train = _train_with_original
+
     def __init__(self, original: nn.Module, routes: _Routes, shared: list):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = original.gate_proj, original.up_proj, original.down_proj
@@ -332,6 +347,8 @@ class HwtuneMLP(nn.Module):
 class HwtuneAttention(nn.Module):
     """The model's attention with one q|k|v projection, hwtune::rope, and hwtune::decode_attention
     for one-token steps on a StaticCache full-attention layer."""
+
+    train = _train_with_original
 
     def __init__(self, original: nn.Module, routes: _Routes, shared: list, attention_function,
                  guards_padding: bool, fused: bool = False):
@@ -627,6 +644,8 @@ class HwtuneDecoderLayer(nn.Module):
     A part not routed for a shape runs the unfused patched path (HwtuneRMSNorm, the fused
     projections, hwtune::swiglu, each where routed, else the model's own code). The children are
     the original layer's (already patched) modules, under the same names."""
+
+    train = _train_with_original
 
     def __init__(self, original: nn.Module, routes: _Routes):
         nn.Module.__init__(self)   # not the model's layer class's __init__ (see _decoder_layer)
