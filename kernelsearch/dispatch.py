@@ -111,6 +111,11 @@ class DispatchTable:
         self._device_ok: dict[str, bool] = {}
         self._launch: dict[str, object] = {}
 
+    def __getstate__(self):
+        """Pickled (with a patched model): the entries, not the kernels compiled from them, which
+        are loaded (and their sources checked) again where the table is used."""
+        return {**self.__dict__, "counts": {}, "_device_ok": {}, "_launch": {}}
+
     @classmethod
     def load(cls, path) -> "DispatchTable":
         """The table in `path`; TableError (a ValueError naming the file) when it is not one."""

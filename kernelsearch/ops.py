@@ -62,12 +62,22 @@ _HANDLES = itertools.count(1)
 
 def table_handle(table: dispatch.DispatchTable) -> int:
     """The op argument that selects `table` (the same handle for the same table object)."""
-    for handle, known in _TABLES.items():
+    for handle, known in list(_TABLES.items()):
         if known is table:
             return handle
     handle = next(_HANDLES)
+    while handle in _TABLES:   # taken by adopt_table
+        handle = next(_HANDLES)
     _TABLES[handle] = table
     return handle
+
+
+def adopt_table(handle: int, table: dispatch.DispatchTable) -> bool:
+    """Make `handle` select `table` in this process (a patched model loaded from a pickle carries
+    the handles its modules were given where it was patched). False where the handle already
+    selects another table with other contents (that model then routes through that table)."""
+    known = _TABLES.setdefault(handle, table)
+    return known is table or known.to_json() == table.to_json()
 
 
 def table_of(handle: int) -> dispatch.DispatchTable | None:

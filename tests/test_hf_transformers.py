@@ -516,6 +516,34 @@ def test_a_patched_model_pickles_and_the_copy_gives_the_same_logits():
     unpatch(copy)
     assert max(rel_err(w, g) for w, g in zip(want, prefill_and_decode(copy, ids))) < 1e-5
 
+def test_a_patched_model_saved_whole_loads_in_another_process(tmp_path):
+    """torch.load of a patched model in a process that had patched none: pickle found no
+    HwtuneLlamaDecoderLayer (a class made at patch time), and the modules' table handle selected
+    no table there ('no table with handle 1' at the first call)."""
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(18))
+    model = tiny_model("Qwen2")
+    want = prefill_and_decode(model, ids)
+    patch(model, counting_table(), stock_through_ops=True)
+    torch.save(model, tmp_path / "model.pt")
+    torch.save({"ids": ids, "want": want}, tmp_path / "want.pt")
+    child = textwrap.dedent(f'''
+        import sys, torch
+        sys.path.insert(0, "tests")
+        from test_hf_transformers import prefill_and_decode, rel_err
+        model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+        data = torch.load({str(tmp_path / "want.pt")!r})
+        got = prefill_and_decode(model, data["ids"])
+        from kernelsearch.integrations.transformers import HwtuneDecoderLayer, unpatch
+        assert isinstance(model.model.layers[0], HwtuneDecoderLayer)
+        print(max(rel_err(w, g) for w, g in zip(data["want"], got)))
+        unpatch(model)
+        print(max(rel_err(w, g) for w, g in zip(data["want"], prefill_and_decode(model, data["ids"]))))
+    ''')
+    proc = subprocess.run([sys.executable, "-c", child], cwd=ROOT, text=True, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(float(line) < 1e-5 for line in proc.stdout.split()), proc.stdout
+
+
 CHILD = textwrap.dedent('''
     import json, sys
     import torch

@@ -128,6 +128,16 @@ class _Record:
     swaps: list = field(default_factory=list)
     shared: list = field(default_factory=list)
     report: PatchReport | None = None
+    table: dispatch.DispatchTable | None = None   # the table behind `handle`, the modules' op argument
+    handle: int = 0
+
+    def __setstate__(self, state):
+        """A patched model loaded from a pickle (torch.save of the model) in another process: its
+        modules pass the handle they were given there; it selects this table here too."""
+        self.__dict__.update(state)
+        if self.table is not None and not ops.adopt_table(self.handle, self.table):
+            log.warning("hwtune: the loaded patched model's table handle %d selects another table in this "
+                        "process; unpatch(model) and patch it again to route through its own", self.handle)
 
 
 # --- the patched modules ---------------------------------------------------------------------
@@ -943,7 +953,7 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
         table.prepare(next(model.parameters()).device)
     report.table = f"table {table.data.get('fingerprint_id') or '(empty)'}: {len(entries)} tuned shapes here"
     routes = _Routes(handle, entries, stock_through_ops)
-    record = _Record(report=report)
+    record = _Record(report=report, table=table, handle=handle)
     config = model.config
     modeling = __import__(type(model).__module__, fromlist=["eager_attention_forward"])
     attention_function = getattr(modeling, "eager_attention_forward", None)
@@ -1061,13 +1071,32 @@ _LAYER_CLASSES: dict = {}
 def _own_class(hwtune_cls, original: nn.Module):
     """`hwtune_cls` as a subclass of the original module's class too (transformers finds the
     layers and attention modules whose outputs it records by isinstance)."""
-    base = type(original)
+    return _class_of(hwtune_cls, type(original))
+
+
+def _class_of(hwtune_cls, base):
     cls = _LAYER_CLASSES.get((hwtune_cls, base))
     if cls is None:
         cls = type(f"Hwtune{base.__name__}", (hwtune_cls, base), {"__module__": __name__})
         _LAYER_CLASSES[(hwtune_cls, base)] = cls
         globals()[cls.__name__] = cls   # where pickle (torch.save of the model) looks the class up
     return cls
+
+
+def __getattr__(name: str):
+    """A class `_own_class` makes at patch time (HwtuneLlamaDecoderLayer, HwtuneQwen2Attention...),
+    looked up by pickle in a process that has patched no such model yet (torch.load of a patched
+    model): made here the same way. Only for the supported models' layer and attention classes."""
+    for suffix, hwtune_cls in (("DecoderLayer", HwtuneDecoderLayer), ("Attention", HwtuneAttention)):
+        prefix = name[len("Hwtune"):-len(suffix)] if name.startswith("Hwtune") and name.endswith(suffix) else None
+        if prefix and prefix + "ForCausalLM" in SUPPORTED:
+            import importlib
+
+            modeling = importlib.import_module(f"transformers.models.{prefix.lower()}.modeling_{prefix.lower()}")
+            base = getattr(modeling, prefix + suffix, None)
+            if isinstance(base, type) and issubclass(base, nn.Module):
+                return _class_of(hwtune_cls, base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _decoder_layer(original: nn.Module, routes: _Routes) -> HwtuneDecoderLayer:
