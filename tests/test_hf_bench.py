@@ -220,6 +220,21 @@ def test_model_path_loads_a_local_checkpoint_next_to_the_builtin_rows_in_one_rep
     assert "hf eager" in proc.stdout and "vs hf compiled" in proc.stdout   # the terminal table
 
 
+def test_model_path_of_another_model_family_is_refused_in_one_line(tmp_path):
+    """A Qwen2 (or GPT-2, Gemma...) checkpoint was loaded by LlamaForCausalLM.from_pretrained with
+    a warning only (q|k|v biases dropped; other families' weights left random) and benched as
+    'checkpoint DIR'."""
+    ckpt = tmp_path / "ckpt"
+    config = transformers.Qwen2Config(hidden_size=48, intermediate_size=80, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=72)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(ckpt)
+    proc = hwtune("--state-dir", str(tmp_path / "state"), "bench", "--device", "cpu", "--model", "hf-llama",
+                  "--model-path", str(ckpt), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model_type 'qwen2'" in lines[0], proc.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "hf-llama", "--model-path", "/nonexistent/ckpt"], "--model-path /nonexistent/ckpt: no such directory"),
     (["--model", "gpt2"], "--model gpt2: expected builtin, hf-llama"),

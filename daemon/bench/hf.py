@@ -32,6 +32,7 @@ A failing mode is a row with its status, never the end of the run.
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import threading
@@ -93,6 +94,15 @@ def check_model_path(path) -> str | None:
         return f"--model-path {path}: no config.json (a local checkpoint: config.json + *.safetensors)"
     if not any(p.glob("*.safetensors")):
         return f"--model-path {path}: no *.safetensors weights"
+    try:
+        model_type = json.loads((p / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"--model-path {path}: config.json is not a model config ({type(exc).__name__})"
+    if model_type != "llama":
+        # LlamaForCausalLM.from_pretrained loads another family's checkpoint with a warning only:
+        # weights it does not name (biases, other layouts) dropped or left random
+        return f"--model-path {path}: model_type {model_type!r}; --model hf-llama benches a Llama checkpoint " \
+               "(model_type 'llama'): another family would load into LlamaForCausalLM with weights dropped or random"
     return None
 
 

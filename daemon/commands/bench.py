@@ -63,7 +63,7 @@ def add_bench_arguments(p) -> None:
                    help="builtin (the built-in decoder), hf-llama (transformers' LlamaForCausalLM: "
                         "eager, compiled, patched by hwtune, Liger), or both in one run and report")
     h.add_argument("--model-path", default=None, metavar="DIR",
-                   help="hf-llama: a local checkpoint (config.json + *.safetensors; nothing is "
+                   help="hf-llama: a local Llama checkpoint (config.json + *.safetensors; nothing is "
                         "downloaded) instead of random weights with Llama-3-8B dimensions")
     h.add_argument("--check", type=int, default=8,
                    help="hf-llama: decode steps whose logits are compared with hf eager's (teacher-forced)")
