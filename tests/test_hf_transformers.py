@@ -415,6 +415,29 @@ def test_a_users_forward_hook_on_a_module_the_patch_bypasses_still_runs(where):
     assert report.patched["attention"] >= 1 and report.patched["mlp"] >= 1   # the other layer is patched
 
 
+def test_backward_hooks_of_swapped_modules_still_fire_in_training():
+    """The swapped modules took over the forward hooks only: a full backward hook on an MLP,
+    attention, norm, decoder layer or the lm_head (gradient inspection, clipping) never fired
+    after patch."""
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(19))
+    where = ("model.layers.0.mlp", "model.layers.0.self_attn", "model.layers.1", "model.norm", "lm_head")
+    seen = {}
+    for patched in (False, True):
+        model = tiny_model("Llama")
+        calls = seen.setdefault(patched, [])
+        for name in where:
+            model.get_submodule(name).register_full_backward_hook(lambda m, gi, go, name=name: calls.append(name))
+        if patched:
+            patch(model, counting_table(), stock_through_ops=True)
+        model.train()
+        model(ids, labels=ids).loss.backward()
+    assert sorted(seen[True]) == sorted(seen[False]) == sorted(where)
+    unpatch(model)   # given back to the original modules
+    seen[True].clear()
+    model(ids, labels=ids).loss.backward()
+    assert sorted(seen[True]) == sorted(where)
+
+
 @pytest.mark.parametrize("name", ["Llama", "Qwen2"])
 def test_training_mode_reaches_the_original_modules_dropout(name):
     """model.train() set the swapped modules' mode but not the originals' (not registered as

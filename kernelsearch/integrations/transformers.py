@@ -65,7 +65,7 @@ autograd records (grad enabled and the input or a parameter requires grad: `loss
 an eval-mode model), runs the original, so gradients reach every parameter. Run inference under
 torch.no_grad() / torch.inference_mode() (generate does) to use the kernels. Under torch.autocast
 the patched modules run the originals too (the ops take one dtype; cast the model instead).
-Hooks: a swapped module takes over the forward hooks of the module it replaces, and gives back at
+Hooks: a swapped module takes over the forward and backward hooks of the module it replaces, and gives back at
 unpatch the ones registered on it meanwhile (transformers 5 installs its output-recording hooks
 once per model); where it runs the original, it calls the original's forward, so those hooks run
 once, on the swapped module. A forward hook of the user's on a module the patched code does not
@@ -1051,11 +1051,13 @@ def patch(model, table: dispatch.DispatchTable | None = None, *,
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _move_hooks(src: nn.Module, dst: nn.Module) -> None:
-    """Give `dst` the forward (pre-)hooks of `src` that it lacks (same handle ids, same order)."""
+    """Give `dst` the forward (pre-)hooks and backward hooks of `src` that it lacks (same handle
+    ids, same order): where autograd records, the swapped module runs the original's forward,
+    so a backward hook fires only where the swapped module is called."""
     for attr in _HOOK_DICTS:
         have, into = getattr(src, attr, None), getattr(dst, attr, None)
         if have is None or into is None:
@@ -1063,6 +1065,8 @@ def _move_hooks(src: nn.Module, dst: nn.Module) -> None:
         for key, hook in have.items():
             if key not in into:
                 into[key] = hook
+    if getattr(dst, "_is_full_backward_hook", None) is None:
+        dst._is_full_backward_hook = getattr(src, "_is_full_backward_hook", None)
 
 
 _LAYER_CLASSES: dict = {}
