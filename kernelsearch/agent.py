@@ -103,7 +103,8 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "`@triton.jit` kernel and a `launch(...)` function following the contract below; "
              "launch's default keyword values are the parameters used.",
              "Outputs are passed in (destination-passing); compute in fp32, cast on store.",
-             "It is verified on fresh random inputs of every shape (several distributions), for "
+             "It is verified on fresh random inputs of every shape (every shape on every input "
+             "distribution: normal, tiny, huge, per-row scales), for "
              "unwritten outputs, input mutation, determinism and global state, then timed "
              "against stock. Start from `baseline.py`; see context/ for the hardware.",
              "You run with this directory writable and nothing else on the file system (its tmp/ "

@@ -456,6 +456,14 @@ def test_candidate_right_only_for_small_rows_fails_on_the_wide_shape():
     assert v.shapes[0].status == "ok" and v.shapes[1].status == "rejected"
 
 
+def test_every_shape_is_checked_on_every_input_distribution():
+    """Two distributions per shape, chosen by its place in the sweep: the first shape saw only
+    normal and tiny inputs, and a softmax without its max subtraction there was accepted."""
+    v = check("hack_dist_per_shape", kernel="softmax", shapes=[{"M": 1, "N": 128}])
+    rejected(v, "unwritten_output", "M=1 N=128", "NaN")
+    assert "huge inputs" in v.reason or "rows inputs" in v.reason, v.reason
+
+
 def test_hard_coded_eps_fails_because_eps_is_drawn_per_trial():
     for _ in range(3):
         rejected(check("hack_fixed_eps"), "correctness")

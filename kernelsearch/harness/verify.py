@@ -8,8 +8,8 @@
                                 reference, checks determinism, times by CUDA graph replay
 
 Per shape of the published sweep, plus one shape drawn at random from the op's domain
-(checked, not timed): two trials on fresh inputs from different distributions and fresh
-scalar arguments, the first repeated; then the timed runs, every replay checked. The first
+(checked, not timed): one trial per input distribution of the spec (fresh inputs, fresh
+scalar arguments), the first repeated; then the timed runs, every replay checked. The first
 failure rejects. Stock is timed as a user calls it (spec.stock_call) in the same executor, and
 cached per (kernel, shape, dtype, device) for the process.
 
