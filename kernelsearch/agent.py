@@ -152,7 +152,9 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "atomics (an arrival counter).",
              "- every output element written on every call (outputs are poisoned with NaN, huge "
              "or random values), inputs untouched, nothing outside the buffers (canaries), "
-             "deterministic, capturable in a CUDA graph; it is checked on one extra shape drawn "
+             "deterministic, capturable in a CUDA graph; lengths and positions (seq_lens, "
+             "positions) are drawn per call, any sequence at any length, B = 1 included; it is "
+             "checked on one extra shape drawn "
              "at random from the op's domain, not only on the shapes below.", "",
              "## Contract", doc.strip(), "",
              # the harness's rule: an explicit dtype wins over a shape's own

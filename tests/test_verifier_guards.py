@@ -669,6 +669,32 @@ def test_honest_template_with_a_persistent_zeroed_counter_is_accepted():
     assert any(b.startswith("p") for s in v.shapes for b in s.plan["buffers"])
 
 
+# --- decode attention: lengths and positions ---------------------------------------------------
+def test_decode_attention_that_never_reads_the_first_length_is_caught():
+    """Sequence 0 was at the full cache length in every checked call: a kernel attending over
+    the whole cache for it (with B = 1, ignoring seq_lens altogether) was accepted."""
+    v = check("hack_first_seq_full", kernel="decode_attention",
+              shapes=[{"B": 1, "Hq": 4, "Hkv": 4, "S": 32, "D": 64}])
+    rejected(v, "correctness", "B=1")
+
+
+@pytest.mark.parametrize("kernel, key, last", [("decode_attention", "seq_lens", 0),
+                                               ("rope_kv_attention", "positions", 1)])
+def test_attention_draws_calls_with_and_without_a_full_length_sequence(kernel, key, last):
+    import torch
+
+    spec = SPECS[kernel]
+    shape = {"B": 1, "Hq": 2, "Hkv": 1, "S": 9, "D": 16}
+    full, short = 0, 0
+    for dist in spec.distributions:
+        for seed in range(5):
+            x = spec.make_inputs(shape, torch.float32, "cpu", torch.Generator().manual_seed(seed), dist)[key]
+            top = shape["S"] - last
+            full += int(x.max()) == top
+            short += int(x.max()) < top
+    assert full and short, (full, short)
+
+
 # --- in/out tensors (rope_kv_write's KV caches) ---------------------------------------------------
 KV_SHAPES = [{"B": 2, "Hq": 4, "Hkv": 2, "D": 16, "S": 6}]
 

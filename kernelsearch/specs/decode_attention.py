@@ -35,6 +35,18 @@ def sdpa_decode(q, k_cache, v_cache, valid, scale):
     return o.squeeze(2)
 
 
+def _lengths(b: int, s: int, full: bool, generator, device) -> torch.Tensor:
+    """Sequence lengths (int32 [b], in 1..s). `full`: one sequence, at a random index, has the
+    whole cache (the longest context exercised); else every length is below s (when s > 1).
+    Sequence 0 at s in every call left a kernel that never reads seq_lens[0] right on every
+    check (with B = 1, every length was s): both kinds of call are drawn, one per distribution."""
+    top = s if full or s == 1 else s - 1
+    lens = torch.randint(1, top + 1, (b,), generator=generator, device=device, dtype=torch.int32)
+    if full:
+        lens[int(torch.randint(0, b, (1,), generator=generator, device=device))] = s
+    return lens
+
+
 class DecodeAttentionSpec(KernelSpec):
     name = "decode_attention"
     arg_names = ("q", "k_cache", "v_cache", "seq_lens", "scale")
@@ -103,8 +115,7 @@ class DecodeAttentionSpec(KernelSpec):
         q = draw((b, hq, d), dist, generator, device).to(dtype)
         k = draw((b, hkv, s, d), dist, generator, device).to(dtype)
         v = draw((b, hkv, s, d), dist, generator, device).to(dtype)
-        lens = torch.randint(1, s + 1, (b,), generator=generator, device=device, dtype=torch.int32)
-        lens[0] = s  # the longest context is always exercised
+        lens = _lengths(b, s, dist == self.distributions[0], generator, device)
         return {"q": q, "k_cache": k, "v_cache": v, "seq_lens": lens, "scale": 1.0 / math.sqrt(d)}
 
     def timed_inputs(self, inputs):

@@ -79,7 +79,15 @@ class RopeKvAttentionSpec(KernelSpec):
 
     def make_inputs(self, shape, dtype, device, generator, dist):
         inputs = ROPE_KV_WRITE.make_inputs(shape, dtype, device, generator, dist)
-        inputs["positions"][0] = shape["S"] - 1   # the longest context is always exercised
+        # as decode_attention's lengths: one sequence at the last slot (at an index drawn from
+        # the positions) in the first distribution's calls, every position below it in the
+        # others. Sequence 0 at the last slot in every call left a kernel that ignores
+        # positions[0] (with B = 1: every position) right on every check.
+        s, pos = shape["S"], inputs["positions"]
+        if dist == self.distributions[0]:
+            pos[int(pos.sum()) % shape["B"]] = s - 1
+        elif s > 1:
+            pos.remainder_(s - 1)
         inputs["scale"] = 1.0 / math.sqrt(shape["D"])
         return inputs
 
