@@ -151,7 +151,7 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "launch): no program may read what another wrote in the same launch, bar through "
              "atomics (an arrival counter).",
              "- every output element written on every call (outputs are poisoned with NaN, huge "
-             "or random values), inputs untouched, nothing outside the buffers (canaries), "
+             "or random values), inputs untouched (never stored to, not even restored after), nothing outside the buffers (canaries), "
              "deterministic, capturable in a CUDA graph; lengths and positions (seq_lens, "
              "positions) are drawn per call, any sequence at any length, B = 1 included; it is "
              "checked on one extra shape drawn "

@@ -406,6 +406,12 @@ def test_input_mutation_is_caught():
     rejected(check("hack_mutate_input"), "input_mutated", "x modified")
 
 
+def test_an_input_used_as_scratch_and_put_back_is_caught():
+    """Inputs were compared only after the call, and any store inside the launch's buffers
+    passed the interpreter's bounds check: x scribbled on and restored was accepted."""
+    rejected(check("hack_scribble_input", time_it=True), "input_mutated", "input x modified", "store")
+
+
 def test_write_past_the_output_is_out_of_bounds():
     rejected(check("hack_oob_write"), "out_of_bounds", "past the end of out")
 

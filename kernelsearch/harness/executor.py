@@ -51,13 +51,19 @@ class OutOfBounds(Exception):
     pass
 
 
+class InputWrite(OutOfBounds):
+    pass
+
+
 # --- interpreter bounds checks ---------------------------------------------------------------
-_ALLOWED: list = []   # [(lo, hi, name)] byte ranges the running launch may touch
+_ALLOWED: list = []   # [(lo, hi, name, writable)] byte ranges the running launch may touch
 
 
 class _GuardedInterpreter:
     """Stands in for triton's _interpreter module: every pointer a kernel loads from or stores
-    to must lie inside one of the launch's own buffers (their canaries excluded)."""
+    to must lie inside one of the launch's own buffers (their canaries excluded), and a store or
+    an atomic inside one it may write: never an input, not even with its own values put back
+    before the call ends (the inputs were only compared after the call)."""
 
     def __init__(self, real):
         self._real = real
@@ -66,7 +72,7 @@ class _GuardedInterpreter:
         return getattr(self._real, name)
 
     @staticmethod
-    def _check(ptrs, mask, itemsize, what):
+    def _check(ptrs, mask, itemsize, what, write=False):
         import numpy as np
 
         addrs = np.asarray(ptrs).astype(np.uint64, copy=False).reshape(-1)
@@ -76,10 +82,15 @@ class _GuardedInterpreter:
         if addrs.size == 0:
             return
         ok = np.zeros(addrs.shape, dtype=bool)
-        for lo, hi, _ in _ALLOWED:
-            ok |= (addrs >= np.uint64(lo)) & (addrs + np.uint64(itemsize) <= np.uint64(hi))
+        for lo, hi, _, writable in _ALLOWED:
+            if writable or not write:
+                ok |= (addrs >= np.uint64(lo)) & (addrs + np.uint64(itemsize) <= np.uint64(hi))
         if not ok.all():
             bad = int(addrs[~ok][0])
+            inside = [r[2] for r in _ALLOWED if r[0] <= bad < r[1]]
+            if inside:
+                raise InputWrite(f"input {inside[0]} modified: {what} of {int((~ok).sum())} element(s) "
+                                 "into it (inputs are read-only, even while the call runs)")
             near = min(_ALLOWED, key=lambda r: min(abs(bad - r[0]), abs(bad - r[1])), default=None)
             where = f" ({bad - near[1]:+d} bytes past the end of {near[2]})" if near and bad >= near[1] else \
                 (f" ({bad - near[0]:+d} bytes before {near[2]})" if near else "")
@@ -90,15 +101,15 @@ class _GuardedInterpreter:
         return self._real.load(ptrs, mask, other, dtype)
 
     def store(self, ptrs, value, mask):
-        self._check(ptrs, mask, getattr(value, "itemsize", 1), "store")
+        self._check(ptrs, mask, getattr(value, "itemsize", 1), "store", write=True)
         return self._real.store(ptrs, value, mask)
 
     def atomic_cas(self, ptrs, cmp, val, sem):
-        self._check(ptrs, None, getattr(val, "itemsize", 1), "atomic_cas")
+        self._check(ptrs, None, getattr(val, "itemsize", 1), "atomic_cas", write=True)
         return self._real.atomic_cas(ptrs, cmp, val, sem)
 
     def atomic_rmw(self, op, ptrs, val, mask, sem):
-        self._check(ptrs, mask, getattr(val, "itemsize", 1), "atomic")
+        self._check(ptrs, mask, getattr(val, "itemsize", 1), "atomic", write=True)
         return self._real.atomic_rmw(op, ptrs, val, mask, sem)
 
 
@@ -210,7 +221,8 @@ class Slot:
         self.data[name] = raw[CANARY_BYTES:CANARY_BYTES + nbytes]
 
     def ranges(self) -> list:
-        return [(int(d.data_ptr()), int(d.data_ptr()) + d.numel(), n) for n, d in self.data.items()]
+        return [(int(d.data_ptr()), int(d.data_ptr()) + d.numel(), n, n not in self.input_names)
+                for n, d in self.data.items()]
 
     def typed(self, name: str):
         shape, dt = self.meta[name]
@@ -584,6 +596,8 @@ class Executor:
         seen, cause = set(), exc
         while cause is not None and id(cause) not in seen:
             seen.add(id(cause))
+            if isinstance(cause, InputWrite):
+                return Reject("input_mutated", f"{where}: {cause}")
             if isinstance(cause, OutOfBounds):
                 return Reject("out_of_bounds", f"{where}: {cause}")
             if isinstance(cause, MemoryError):   # the CPU executor's data limit, under the interpreter
