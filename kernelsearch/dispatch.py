@@ -212,7 +212,7 @@ class DispatchTable:
         if tuned is None:
             return None, None, "tuned source missing, changed or without a valid plan"
         if not tuned.accepts(args):
-            return None, None, "arguments differ from the verified layout (strides, dtype, device)"
+            return None, None, "arguments differ from the verified layout (strides, dtype, device, 16-byte alignment)"
         return tuned, _thaw(entry.params), "tuned"
 
     def call(self, kernel: str, *args):
@@ -330,6 +330,9 @@ def source_text(source: dict) -> tuple[str, Path] | None:
     return data.decode("utf-8"), path
 
 
+ALIGN_BYTES = 16   # every buffer the harness checks on starts at such an address (executor.Slot)
+
+
 class TunedKernel:
     """One table entry: its verified launch plan, run on the caller's tensors. Kernels are
     compiled from the checked source (kernelsearch.harness.source); no Python of the file runs."""
@@ -361,12 +364,16 @@ class TunedKernel:
                                 if any(a["name"] == n and a.get("role") == "input" for a in self.signature))
 
     def accepts(self, args) -> bool:
+        """The layout the harness verified: shape, dtype, contiguous, and an address that is a
+        multiple of 16 bytes, as every buffer it checks on is (Triton specialises on it: a view
+        at an odd offset would run a compilation no check ran)."""
         tensors = [a for a in self.signature if a["kind"] == "tensor" and a["role"] in ("input", "inout")]
         by_name = dict(zip(self.spec.arg_names, args))
         for meta in tensors:
             t = by_name.get(meta["name"])
             if not isinstance(t, torch.Tensor) or list(t.shape) != meta["shape"] or \
-                    str(t.dtype).removeprefix("torch.") != meta["dtype"] or not t.is_contiguous():
+                    str(t.dtype).removeprefix("torch.") != meta["dtype"] or not t.is_contiguous() or \
+                    t.data_ptr() % ALIGN_BYTES:
                 return False
         return True
 

@@ -366,3 +366,46 @@ def test_an_entrys_time_that_is_negative_zero_or_past_a_float_is_unknown_not_an_
     path.chmod(0o600)
     table = DispatchTable.load(path)
     assert len(table.entries) == 1 and table.entries[0].candidate_ms is None
+
+
+UNALIGNED_CHILD = textwrap.dedent('''
+    import json, sys
+    import torch
+    from kernelsearch.dispatch import DispatchTable
+    table = DispatchTable.load(sys.argv[1])
+    wide = torch.randn(4 * 100 + 1)
+    w = torch.rand(100) + 0.5
+    report = {}
+    for name, x in (("aligned", wide[:400].view(4, 100).clone()), ("odd", wide[1:].view(4, 100))):
+        assert x.is_contiguous()
+        _, _, why = table.route("rmsnorm", x, w, 1e-6)
+        out = table.call("rmsnorm", x, w, 1e-6)
+        ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        report[name] = {"why": why, "err": float((out - ref).abs().max())}
+    print(json.dumps(report))
+''')
+
+
+def test_a_view_at_an_address_no_check_used_goes_to_stock(tmp_path, cpu_fingerprint):
+    """Every buffer the harness checks a kernel on is 16-byte aligned; a contiguous view at an
+    odd offset got the tuned kernel, where Triton compiles a specialisation never checked, and a
+    kernel right only on aligned addresses (hack_unaligned_view) was wrong there."""
+    from kernelsearch.harness.verify import make_plan
+
+    src = ROOT / "tests" / "candidates" / "hack_unaligned_view.py"
+    plan = make_plan("rmsnorm", src, {"M": 4, "N": 100}, "float32", {}, "cpu")
+    assert plan
+    table = DispatchTable({"format": 1, "fingerprint_id": fingerprint_id(cpu_fingerprint),
+                           "fingerprint": cpu_fingerprint,
+                           "entries": [{"kernel": "rmsnorm", "dtype": "float32", "source": {"path": str(src)},
+                                        "source_hash": file_sha256(src), "candidate_ms": 0.01,
+                                        "stock_ms": 0.02, "speedup": 2.0, "shape": {"M": 4, "N": 100},
+                                        "params": {}, "plan": plan}]})
+    path = table.save(tmp_path / "dispatch" / f"{fingerprint_id(cpu_fingerprint)}.json")
+    proc = subprocess.run([sys.executable, "-c", UNALIGNED_CHILD, str(path)], cwd=ROOT, text=True,
+                          capture_output=True, timeout=180,
+                          env={"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["aligned"]["why"] == "tuned" and report["aligned"]["err"] < 1e-4, report
+    assert report["odd"]["why"] != "tuned" and report["odd"]["err"] < 1e-4, report
