@@ -131,7 +131,8 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "(use f-strings), `functools.wraps`, `functools.singledispatch`, code objects or "
              "`match` statements, and "
              "string annotations only as plain dotted names.",
-             "- scalar arguments (eps, scale) are drawn per trial: pass them, or arithmetic on "
+             "- scalar arguments (eps, scale) are drawn per trial, and some trials pass the values "
+             "models pass (eps 1e-5, 1e-6; scale 1/sqrt(D)): pass them, or arithmetic on "
              "them (scale * 1.4427), to a kernel; don't branch on them or convert them to int.",
              "- launch() must plan the same on repeated calls with the same arguments (no memo, "
              "no call counter); a buffer kept across calls must be torch.zeros and left all-zero.",

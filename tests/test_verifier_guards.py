@@ -475,6 +475,12 @@ def test_hard_coded_eps_fails_because_eps_is_drawn_per_trial():
         rejected(check("hack_fixed_eps"), "correctness")
 
 
+def test_a_kernel_wrong_only_at_the_eps_models_pass_is_caught():
+    """eps was drawn log-uniformly in 1e-6..1e-2 for every check, never exactly 1e-5 or 1e-6:
+    a kernel writing zeros at just those values was accepted."""
+    rejected(check("hack_typical_eps"), "correctness", "eps=1e-06")
+
+
 def test_branching_on_a_scalar_argument_cannot_be_planned():
     rejected(check("hack_branch_on_eps"), "plan", "scalar argument")
 

@@ -531,10 +531,16 @@ class Executor:
         # One trial per distribution, every shape: two of them, chosen by the shape's place in
         # the sweep, told a launch which shapes never saw huge or per-row-scaled inputs (a
         # softmax without its max subtraction on those shapes only was accepted).
+        # Trials from the third on pass the scalars models pass (spec.typical_scalars), in turn.
+        typical = spec.typical_scalars(shape)
         for trial in range(max(2, len(dists))):
             dist = dists[(offset + trial) % len(dists)]
             where = f"shape {label} trial {trial + 1} ({dist} inputs)"
             inputs = self.draw_inputs(spec, shape, dt, dist, upper=trial % 2 == 1)
+            if trial >= 2 and typical:
+                chosen = typical[(trial - 2) % len(typical)]
+                inputs.update(chosen)
+                where += " at " + ", ".join(f"{k}={v:.6g}" for k, v in chosen.items())
             slot = Slot(self.torch, plan, signature, self.device, self.gen())
             slot.load_inputs(inputs, spec.written(inputs))
             bound = bind(plan, kernels, slot.data, inputs)

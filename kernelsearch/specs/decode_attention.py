@@ -75,6 +75,9 @@ class DecodeAttentionSpec(KernelSpec):
         u = super().draw_scalars(rng, shape)["scale"]
         return {"scale": u / math.sqrt(shape["D"])}
 
+    def typical_scalars(self, shape):
+        return [{"scale": 1.0 / math.sqrt(shape["D"])}]
+
     def input_meta(self, shape, dtype):
         b, hq, hkv, s, d = shape["B"], shape["Hq"], shape["Hkv"], shape["S"], shape["D"]
         return {"q": ((b, hq, d), dtype), "k_cache": ((b, hkv, s, d), dtype),
