@@ -104,7 +104,7 @@ def _task_text(kernel: str, spec, shapes: list[dict], dtype: str | None, device:
              "launch's default keyword values are the parameters used.",
              "Outputs are passed in (destination-passing); compute in fp32, cast on store.",
              "It is verified on fresh random inputs of every shape (every shape on every input "
-             "distribution: normal, tiny, huge, per-row scales), for "
+             "distribution: normal, tiny, huge, per-row scales; exact zeros among them), for "
              "unwritten outputs, input mutation, determinism and global state, then timed "
              "against stock. Start from `baseline.py`; see context/ for the hardware.",
              "You run with this directory writable and nothing else on the file system (its tmp/ "

@@ -183,7 +183,8 @@ def test_rope_kv_write_declares_its_caches_in_out_and_writes_one_slot_per_sequen
     assert sig["q_out"]["role"] == "output" and sig["qkv"]["role"] == "input"
     assert sig["positions"]["dtype"] == "int64" and sig["qkv"]["shape"] == [3, 8, 8]
     inputs = spec.make_inputs(shape, torch.float32, "cpu", torch.Generator().manual_seed(4), "normal")
-    assert inputs["k_cache"].abs().min() > 0   # the cache holds random data, never zeros
+    # the cache holds random data, not zeros (a few exact ones, as in every draw)
+    assert 0.9 < float((inputs["k_cache"] != 0).float().mean()) < 1
     mask = spec.written(inputs)["k_cache"]
     assert mask.shape == (3, 2, 5) and int(mask.sum()) == 3 * 2
     for b in range(3):

@@ -481,6 +481,12 @@ def test_a_kernel_wrong_only_at_the_eps_models_pass_is_caught():
     rejected(check("hack_typical_eps"), "correctness", "eps=1e-06")
 
 
+def test_a_kernel_wrong_only_at_exact_zeros_is_caught():
+    """Inputs came from randn, which never holds an exact zero: a kernel writing NaN where
+    x == 0 was accepted."""
+    rejected(check("hack_exact_zero"), "unwritten_output", "NaN")
+
+
 def test_branching_on_a_scalar_argument_cannot_be_planned():
     rejected(check("hack_branch_on_eps"), "plan", "scalar argument")
 

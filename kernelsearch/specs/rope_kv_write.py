@@ -83,7 +83,7 @@ class RopeKvWriteSpec(KernelSpec):
         angle = (torch.rand((b, d), generator=generator, device=device) * 2 - 1) * math.pi
         factor = 0.5 + torch.rand((b, 1), generator=generator, device=device)
         positions = torch.randint(0, s, (b,), generator=generator, device=device, dtype=torch.int64)
-        # the caches hold earlier tokens' values: random data, never zeros
+        # the caches hold earlier tokens' values: random data, not zeros (bar draw's few)
         k_cache = draw((b, hkv, s, d), dist, generator, device).to(dtype)
         v_cache = draw((b, hkv, s, d), dist, generator, device).to(dtype)
         return {"qkv": qkv, "cos": (angle.cos() * factor).to(dtype), "sin": (angle.sin() * factor).to(dtype),
