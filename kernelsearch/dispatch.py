@@ -212,7 +212,7 @@ class DispatchTable:
         if tuned is None:
             return None, None, "tuned source missing, changed or without a valid plan"
         if not tuned.accepts(args):
-            return None, None, "arguments differ from the verified layout (strides, dtype, device, 16-byte alignment)"
+            return None, None, "arguments differ from the verified layout (strides, dtype, device, 16-byte alignment) or scalar range"
         return tuned, _thaw(entry.params), "tuned"
 
     def call(self, kernel: str, *args):
@@ -349,6 +349,7 @@ class TunedKernel:
         self.spec = spec
         shape = dict(entry.shape)
         self.signature = spec.signature(shape, entry.dtype)
+        self.scalar_bounds = spec.scalar_bounds(shape)
         roles = {a["name"]: plan_mod.DTYPE_SIZES[a["dtype"]] * _numel(a["shape"])
                  for a in self.signature if a["kind"] == "tensor"}
         self.plan = plan_mod.validate(
@@ -366,7 +367,7 @@ class TunedKernel:
     def accepts(self, args) -> bool:
         """The layout the harness verified: shape, dtype, contiguous, and an address that is a
         multiple of 16 bytes, as every buffer it checks on is (Triton specialises on it: a view
-        at an odd offset would run a compilation no check ran)."""
+        at an odd offset would run a compilation no check ran); scalars within the checked range."""
         tensors = [a for a in self.signature if a["kind"] == "tensor" and a["role"] in ("input", "inout")]
         by_name = dict(zip(self.spec.arg_names, args))
         for meta in tensors:
@@ -374,6 +375,11 @@ class TunedKernel:
             if not isinstance(t, torch.Tensor) or list(t.shape) != meta["shape"] or \
                     str(t.dtype).removeprefix("torch.") != meta["dtype"] or not t.is_contiguous() or \
                     t.data_ptr() % ALIGN_BYTES:
+                return False
+        # a scalar argument outside the range the checks drew it from (eps 1e-8) ran no check
+        for name, (lo, hi) in self.scalar_bounds.items():
+            v = by_name.get(name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
                 return False
         return True
 

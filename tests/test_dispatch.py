@@ -409,3 +409,43 @@ def test_a_view_at_an_address_no_check_used_goes_to_stock(tmp_path, cpu_fingerpr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["aligned"]["why"] == "tuned" and report["aligned"]["err"] < 1e-4, report
     assert report["odd"]["why"] != "tuned" and report["odd"]["err"] < 1e-4, report
+
+
+EPS_CHILD = textwrap.dedent('''
+    import json, sys
+    import torch
+    from kernelsearch.dispatch import DispatchTable
+    table = DispatchTable.load(sys.argv[1])
+    x, w = torch.randn(4, 100), torch.rand(100) + 0.5
+    report = {}
+    for eps in (1e-6, 1e-5, 1e-8):
+        _, _, why = table.route("rmsnorm", x, w, eps)
+        out = table.call("rmsnorm", x, w, eps)
+        ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+        report[str(eps)] = {"why": why, "err": float((out - ref).abs().max())}
+    print(json.dumps(report))
+''')
+
+
+def test_a_scalar_outside_the_range_the_checks_drew_goes_to_stock(tmp_path, cpu_fingerprint):
+    """eps is checked in 1e-6..1e-2; a call with eps 1e-8 got the tuned kernel, and one wrong
+    below the range (hack_small_eps) was wrong there."""
+    from kernelsearch.harness.verify import make_plan
+
+    src = ROOT / "tests" / "candidates" / "hack_small_eps.py"
+    plan = make_plan("rmsnorm", src, {"M": 4, "N": 100}, "float32", {}, "cpu")
+    assert plan
+    table = DispatchTable({"format": 1, "fingerprint_id": fingerprint_id(cpu_fingerprint),
+                           "fingerprint": cpu_fingerprint,
+                           "entries": [{"kernel": "rmsnorm", "dtype": "float32", "source": {"path": str(src)},
+                                        "source_hash": file_sha256(src), "candidate_ms": 0.01,
+                                        "stock_ms": 0.02, "speedup": 2.0, "shape": {"M": 4, "N": 100},
+                                        "params": {}, "plan": plan}]})
+    path = table.save(tmp_path / "dispatch" / f"{fingerprint_id(cpu_fingerprint)}.json")
+    proc = subprocess.run([sys.executable, "-c", EPS_CHILD, str(path)], cwd=ROOT, text=True,
+                          capture_output=True, timeout=180,
+                          env={"TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["1e-06"]["why"] == report["1e-05"]["why"] == "tuned", report
+    assert report["1e-08"]["why"] != "tuned" and all(r["err"] < 1e-4 for r in report.values()), report

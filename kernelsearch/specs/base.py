@@ -165,6 +165,11 @@ class KernelSpec:
         return {name: math.exp(rng.uniform(math.log(lo), math.log(hi)))
                 for name, (lo, hi) in self.scalar_ranges.items()}
 
+    def scalar_bounds(self, shape: dict) -> dict:
+        """{name: (low, high)}: the values the checks pass a scalar argument at this shape
+        (draw_scalars' range); the dispatch table routes no call outside them to a tuned kernel."""
+        return dict(self.scalar_ranges)
+
     def typical_scalars(self, shape: dict) -> list[dict]:
         """The scalar arguments models pass (eps 1e-6 and 1e-5; attention's 1/sqrt(D)), each
         one checked trial's: drawn from a continuous range, no check ever had one exactly, and

@@ -78,6 +78,10 @@ class DecodeAttentionSpec(KernelSpec):
     def typical_scalars(self, shape):
         return [{"scale": 1.0 / math.sqrt(shape["D"])}]
 
+    def scalar_bounds(self, shape):
+        lo, hi = self.scalar_ranges["scale"]
+        return {"scale": (lo / math.sqrt(shape["D"]), hi / math.sqrt(shape["D"]))}
+
     def input_meta(self, shape, dtype):
         b, hq, hkv, s, d = shape["B"], shape["Hq"], shape["Hkv"], shape["S"], shape["D"]
         return {"q": ((b, hq, d), dtype), "k_cache": ((b, hkv, s, d), dtype),

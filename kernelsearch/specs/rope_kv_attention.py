@@ -65,6 +65,9 @@ class RopeKvAttentionSpec(KernelSpec):
     def typical_scalars(self, shape):
         return DECODE_ATTENTION.typical_scalars(shape)
 
+    def scalar_bounds(self, shape):
+        return DECODE_ATTENTION.scalar_bounds(shape)
+
     def valid_shape(self, shape):
         return KernelSpec.valid_shape(self, shape) or DECODE_ATTENTION.attention_problem(shape) or \
             ("D must be at least 2 (RoPE rotates halves)" if shape["D"] < 2 else None)
