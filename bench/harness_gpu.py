@@ -101,7 +101,10 @@ def main() -> int:
     guard_rows = []
     for label, fname, expect_accept, expect_guard in demos:
         v, wall_s = _run(label, "rmsnorm", CANDIDATES / f"{fname}.py", shapes=probe)
-        ok = v.accepted == expect_accept and (expect_guard is None or v.guard == expect_guard)
+        ok = v.accepted == expect_accept and (expect_guard is None or v.guard == expect_guard or (
+            # the poison of each call is drawn (NaN, huge, random): when every check drew NaN, the
+            # sniffer computed there and the graph-replayed calls are where it is caught
+            fname == "hack_sniff_poison" and v.guard == "cuda_graph" and "still hold the poison" in v.reason))
         timing = v.shapes[0].timing if v.shapes else ""
         guard_rows.append((label, v.accepted, v.guard, ok, timing, v.reason[:120]))
         report["guards"][fname] = {"expected_guard": expect_guard, "as_expected": ok, **v.to_json()}
