@@ -306,7 +306,7 @@ def test_without_a_table_the_decode_shapes_are_searched_into_the_state_dir_first
     state = tmp_path / "state"
     proc = hwtune("--state-dir", str(state), "bench", "--model", "hf-llama", "--device", "cpu",
                   "--layers", "1", "--shapes", "1x30", "--steps", "20", "--warmup", "1", "--check", "2",
-                  "--variants", "hf-eager,hf-hwtune", "--search-evals", "1", "--budget-s", "40", "--json")
+                  "--variants", "hf-eager,hf-hwtune", "--search-evals", "1", "--budget-s", "90", "--json")
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(proc.stdout)
     kt = doc["hf"]["kernel_table"]
